@@ -1,0 +1,143 @@
+"""Kernel backends and the one registry that maps ``(op, backend)`` to a function.
+
+The ops and their contracts are defined once, in :data:`OPS`. Every backend implements
+the same signature; ``torch`` is the reference every other backend is tested against.
+
+=======================  ===========================================================
+op                       signature (all tensors 1-D and contiguous)
+=======================  ===========================================================
+``twobit_compress``      ``(grad, residual_in, residual_out, threshold, codes)``
+``twobit_decompress_add````(codes, threshold, out)``
+``topk_compress``        ``(grad, residual_in, residual_out, values, indices)``
+``topk_decompress_add``  ``(values, indices, out)``
+=======================  ===========================================================
+
+Shared conventions:
+
+* ``grad`` is float32, float16 or bfloat16 with ``n`` elements. The compensated value is
+  ``acc = float32(grad) + residual_in`` (``residual_in`` may be ``None``: no feedback).
+* ``residual_in`` / ``residual_out`` are float32 ``[n]``; ``residual_out`` may be ``None``
+  (nothing written) and may alias ``residual_in`` (in-place update). It receives
+  ``acc - decompress(payload)`` element by element.
+* ``out`` is float32 ``[n]`` and is accumulated into: ``out[i] = out[i] + decoded[i]``.
+
+2-bit (MXNet threshold quantization). Element ``i`` lives in ``codes[i // 16]`` (int32)
+at bits ``2 * (i % 16)`` and ``2 * (i % 16) + 1``:
+
+* ``0b01``: ``acc >= t`` (finite), decodes to ``+t``, residual ``acc - t``;
+* ``0b10``: ``acc <= -t`` (finite), decodes to ``-t``, residual ``acc + t``;
+* ``0b00``: otherwise, decodes to ``0``, residual ``acc``;
+* ``0b11``: ``acc`` is NaN or infinite, decodes to NaN (so a non-finite gradient on any
+  rank makes the average non-finite on every rank), residual ``acc``.
+
+Unused bits of the last word are zero.
+
+Top-k. ``k = values.numel()``. The selection is the ``k`` entries of largest ``|acc|``,
+where magnitude is ordered by the bits of ``|acc|`` read as an unsigned integer (so NaN >
+inf > every finite value, as in ``torch.topk``), ties broken towards the lower index. The
+selected indices are written in ascending order (int32, or int64 when ``n >= 2**31``) and
+``values[j] = acc[indices[j]]`` cast to the dtype of ``values``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+OPS = ("twobit_compress", "twobit_decompress_add", "topk_compress", "topk_decompress_add")
+BACKENDS = ("torch", "numba", "cuda")
+ENV_VAR = "GRADCOMP_BACKEND"
+
+# Backends live in their own modules and are imported on first use, so that
+# ``import gradcomp`` never needs numba or cupy.
+_BACKEND_MODULES = {
+    "torch": "gradcomp.backends.torch_ops",
+    "numba": "gradcomp.backends.numba_ops",
+    "cuda": "gradcomp.backends.cuda_ops",
+}
+_INSTALL_HINT = {
+    "numba": "pip install 'numba>=0.60' (or: pip install gradcomp[numba])",
+    "cuda": "pip install cupy-cuda12x (or: pip install gradcomp[cuda]) on a machine with a CUDA GPU",
+}
+
+KERNELS: Dict[Tuple[str, str], Callable] = {}
+_import_errors: Dict[str, BaseException] = {}
+
+
+def register(op: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as the implementation of ``op`` on ``backend``."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; ops are {OPS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; backends are {BACKENDS}")
+
+    def decorate(fn: Callable) -> Callable:
+        KERNELS[(op, backend)] = fn
+        return fn
+
+    return decorate
+
+
+def _load(backend: str) -> bool:
+    """Import a backend module once; remember why it failed if it did."""
+    if backend in _import_errors:
+        return False
+    if any(b == backend for (_, b) in KERNELS):
+        return True
+    try:
+        importlib.import_module(_BACKEND_MODULES[backend])
+    except ImportError as error:  # a missing optional dependency
+        _import_errors[backend] = error
+        return False
+    return True
+
+
+def is_available(backend: str, device: Optional[torch.device] = None) -> bool:
+    """Whether ``backend`` can run on ``device`` here."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if device is not None:
+        device = torch.device(device)
+        if backend == "numba" and device.type != "cpu":
+            return False
+        if backend == "cuda" and device.type != "cuda":
+            return False
+    return _load(backend)
+
+
+def resolve_backend(device, backend: Optional[str] = None) -> str:
+    """The backend to use on ``device``: ``backend`` if given, else ``$GRADCOMP_BACKEND``,
+    else the fastest available one (``cuda`` on CUDA devices, ``numba`` on CPU, ``torch``).
+
+    An explicitly requested backend that cannot run raises ``RuntimeError`` saying why.
+    """
+    device = torch.device(device)
+    requested = backend or os.environ.get(ENV_VAR) or None
+    if requested is not None:
+        if requested not in BACKENDS:
+            raise ValueError(f"unknown backend {requested!r} (argument or ${ENV_VAR}); choose one of {BACKENDS}")
+        if requested == "numba" and device.type != "cpu":
+            raise RuntimeError(f"backend 'numba' runs on CPU tensors only, got a tensor on {device}")
+        if requested == "cuda" and device.type != "cuda":
+            raise RuntimeError(f"backend 'cuda' runs on CUDA tensors only, got a tensor on {device}")
+        if not _load(requested):
+            raise RuntimeError(
+                f"backend {requested!r} was requested but cannot be imported "
+                f"({_import_errors[requested]}). Install it with: {_INSTALL_HINT[requested]}"
+            )
+        return requested
+    preferred = "cuda" if device.type == "cuda" else "numba" if device.type == "cpu" else "torch"
+    return preferred if _load(preferred) else "torch"
+
+
+def kernel(op: str, device, backend: Optional[str] = None) -> Callable:
+    """The implementation of ``op`` for tensors on ``device`` (see :func:`resolve_backend`)."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; ops are {OPS}")
+    chosen = resolve_backend(device, backend)
+    try:
+        return KERNELS[(op, chosen)]
+    except KeyError:
+        raise NotImplementedError(f"op {op!r} has no {chosen!r} implementation") from None

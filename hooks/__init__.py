@@ -1,0 +1,1 @@
+"""Integrations with the training APIs people already use: DDP comm hooks and Horovod."""
