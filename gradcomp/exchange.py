@@ -26,7 +26,10 @@ def allgather_payload(payload: Payload, group: Optional[dist.ProcessGroup] = Non
     a uint8 tensor of ``world_size * payload.nbytes`` bytes, rank ``r`` at ``r * nbytes``."""
     group = group if group is not None else dist.group.WORLD
     gathered = torch.empty(group_size(group) * payload.nbytes, dtype=torch.uint8, device=payload.buffer.device)
-    return _all_gather_flat(gathered, payload.buffer, group=group, async_op=True).get_future()
+    work = _all_gather_flat(gathered, payload.buffer, group=group, async_op=True)
+    # The work's own future does not reliably carry the output tensor on every backend,
+    # so hand on the buffer we gathered into.
+    return work.get_future().then(lambda _: [gathered])
 
 
 def payload_of_rank(layout: PayloadLayout, gathered: torch.Tensor, rank: int) -> Payload:

@@ -54,7 +54,15 @@ class PayloadLayout:
 
     def allocate(self, device) -> "Payload":
         """A payload with an uninitialised buffer on ``device``."""
-        return Payload(self, torch.empty(self.nbytes, dtype=torch.uint8, device=device))
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        # Zero the alignment padding: the bytes on the wire are then a function of the
+        # data alone (deterministic, and no stale memory is sent to other ranks).
+        ends = [s.offset + s.nbytes for s in self.segments]
+        starts = [s.offset for s in self.segments[1:]] + [self.nbytes]
+        for end, start in zip(ends, starts):
+            if start > end:
+                buffer[end:start].zero_()
+        return Payload(self, buffer)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, PayloadLayout) and self.segments == other.segments

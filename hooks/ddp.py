@@ -9,8 +9,8 @@ Example::
     >>> # ... train as usual; state.stats() reports bytes and timings,
     >>> # state.state_dict() goes into the checkpoint beside the optimizer's.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks the hook's annotations at
+# registration and needs them to be the real dist.GradBucket / Future[Tensor].
 import time
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -212,10 +212,11 @@ def _dense_allreduce(state: CompressionState, bucket: dist.GradBucket, mode: str
     wire_dtype = getattr(compressor, "wire_dtype", None) or grad.dtype
     if mode == "dense":
         _flush_residuals(state, bucket, grad)
-    # Dividing before the sum, as DDP does, keeps fp16 from overflowing and makes the
-    # Identity compressor bitwise equal to DDP's built-in allreduce.
+    # Scaling before the sum keeps fp16 from overflowing; multiplying by 1/P (not
+    # dividing by P) is what DDP's built-in reducer does, so the Identity compressor is
+    # bitwise equal to DDP without a hook.
     wire = grad if wire_dtype == grad.dtype else grad.to(wire_dtype)
-    wire.div_(world_size)
+    wire.mul_(1.0 / world_size)
     state._record(bucket.index(), wire.numel() * wire.element_size(), grad.numel() * grad.element_size(), 0.0, mode)
     fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
 
@@ -243,7 +244,7 @@ def _flush_residuals(state: CompressionState, bucket: dist.GradBucket, grad: tor
         offset += n
 
 
-def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future:
+def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook that compresses ``bucket`` with ``state.compressor``.
 
     For a compressor whose payloads cannot be summed (``TopK``, ``TwoBit``):

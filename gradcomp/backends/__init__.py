@@ -129,7 +129,10 @@ def resolve_backend(device, backend: Optional[str] = None) -> str:
             )
         return requested
     preferred = "cuda" if device.type == "cuda" else "numba" if device.type == "cpu" else "torch"
-    return preferred if _load(preferred) else "torch"
+    if _load(preferred):
+        return preferred
+    _load("torch")
+    return "torch"
 
 
 def kernel(op: str, device, backend: Optional[str] = None) -> Callable:

@@ -1,0 +1,220 @@
+"""Rank entry points and models for the multi-process DDP tests (real Gloo, no mocks).
+
+Each worker is a top-level function so that torch.multiprocessing can spawn it; each
+writes its results with ``torch.save`` to ``out_dir/rank{r}.pt``.
+"""
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp.hooks import ddp as gc_ddp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(worker, world_size, out_dir, *args, timeout_s=120):
+    """Run ``worker(rank, world_size, out_dir, *args)`` on ``world_size`` Gloo ranks and
+    return the list of per-rank results."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(worker, rank, world_size, port, out_dir, args)) for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout_s)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    codes = [proc.exitcode for proc in procs]
+    assert codes == [0] * world_size, f"ranks exited with {codes}"
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _entry(worker, rank, world_size, port, out_dir, args):
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        result = worker(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+# -- models and data ------------------------------------------------------------------------------
+class ShuffledMLP(torch.nn.Module):
+    """Parameters registered in a different order from the one backward reaches them,
+    so DDP's bucket rebuild after iteration 1 changes the bucket layout."""
+
+    def __init__(self, width=24):
+        super().__init__()
+        self.head = torch.nn.Linear(width, 3)
+        self.middle = torch.nn.Linear(width, width)
+        self.stem = torch.nn.Linear(8, width)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.middle(torch.tanh(self.stem(x)))))
+
+
+def make_model(kind, seed=0):
+    torch.manual_seed(seed)
+    if kind == "shuffled":
+        return ShuffledMLP()
+    if kind == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+    raise ValueError(kind)
+
+
+def batch(rank, step, n=16):
+    """Rank- and step-specific regression data (deterministic)."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, 8, generator=gen)
+    y = torch.stack([x[:, 0] * x[:, 1], torch.sin(x[:, 2]), x[:, 3] - x[:, 4]], dim=1)
+    return x, y
+
+
+def local_gradients(model, rank, step):
+    """The gradient one rank computes on its own batch, flat per parameter (by name)."""
+    model.zero_grad()
+    x, y = batch(rank, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+# -- workers ---------------------------------------------------------------------------------------
+def make_compressor(spec):
+    name, arg = spec
+    return {"topk": gradcomp.TopK, "twobit": gradcomp.TwoBit, "identity": lambda _: gradcomp.Identity(),
+            "fp16": lambda _: gradcomp.FP16()}[name](arg)
+
+
+def train_and_record(rank, world_size, spec, steps, model_kind, state_kwargs, ddp_kwargs=None, lr=0.05):
+    """Train with the gradcomp hook; record averaged gradients, params, bucket layouts
+    (which parameters each bucket held at each step) and telemetry."""
+    model = make_model(model_kind)
+    ddp = DDP(model, **(ddp_kwargs or {}))
+    state = gc_ddp.CompressionState(make_compressor(spec), named_parameters=model.named_parameters(), **state_kwargs)
+    names = {id(p): name for name, p in model.named_parameters()}
+    layouts = []
+
+    def recording_hook(state, bucket):
+        layouts.append((state.step, bucket.index(), tuple(names[id(p)] for p in bucket.parameters())))
+        return gc_ddp.compression_hook(state, bucket)
+
+    ddp.register_comm_hook(state, recording_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    grads, losses = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = batch(rank, step)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        grads.append({name: p.grad.detach().clone() for name, p in model.named_parameters()})
+        losses.append(loss.item())
+        optimizer.step()
+    return {
+        "grads": grads,
+        "losses": losses,
+        "params": {name: p.detach().clone() for name, p in model.named_parameters()},
+        "layouts": layouts,
+        "stats": state.stats(),
+    }
+
+
+def linear_batch(rank, step, n=32, noise=0.1):
+    """Noisy linear regression, 32 -> 16: the loss floor is noise**2 = 0.01."""
+    weights = torch.randn(32, 16, generator=torch.Generator().manual_seed(7)) / 32**0.5
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, 32, generator=gen)
+    return x, x @ weights + noise * torch.randn(n, 16, generator=gen)
+
+
+def convergence(rank, world_size, steps, ratio, lr):
+    """Held-out loss after training the same linear model dense, with TopK + error
+    feedback, and with TopK alone (plain SGD)."""
+    results = {}
+    for label, spec, kwargs in (
+        ("dense", ("identity", None), {}),
+        ("topk_ef", ("topk", ratio), {"error_feedback": True}),
+        ("topk_no_ef", ("topk", ratio), {"error_feedback": False}),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(32, 16)
+        ddp = DDP(model)
+        gc_ddp.register(ddp, make_compressor(spec), warmup_steps=2, min_numel=0, **kwargs)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+        for step in range(steps):
+            optimizer.zero_grad()
+            x, y = linear_batch(rank, step)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
+        x, y = linear_batch(rank=99, step=0, n=2048)
+        with torch.no_grad():
+            results[label] = torch.nn.functional.mse_loss(model(x), y).item()
+    return results
+
+
+def identity_vs_builtin(rank, world_size, steps):
+    """Gradients of the Identity hook and of DDP's built-in allreduce, step by step."""
+    runs = {}
+    for label in ("builtin", "identity"):
+        model = make_model("mlp")
+        ddp = DDP(model)
+        if label == "identity":
+            gc_ddp.register(ddp, gradcomp.Identity(), warmup_steps=0, min_numel=0)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        grads = []
+        for step in range(steps):
+            optimizer.zero_grad()
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            grads.append({name: p.grad.detach().clone() for name, p in model.named_parameters()})
+            optimizer.step()
+        runs[label] = grads
+    return runs
+
+
+def count_collective_bytes(rank, world_size, steps):
+    """Spy on the real collectives (they still run) to count the bytes handed to them,
+    and compare with what the state reports."""
+    import gradcomp.exchange as exchange
+
+    handed = []
+    real_gather, real_reduce = exchange._all_gather_flat, dist.all_reduce
+
+    def gather(output, input, *args, **kwargs):
+        handed[-1] += input.numel() * input.element_size()
+        return real_gather(output, input, *args, **kwargs)
+
+    def reduce(tensor, *args, **kwargs):
+        handed[-1] += tensor.numel() * tensor.element_size()
+        return real_reduce(tensor, *args, **kwargs)
+
+    exchange._all_gather_flat, dist.all_reduce = gather, reduce
+    try:
+        model = make_model("mlp")
+        ddp = DDP(model, bucket_cap_mb=0.01)
+        # min_numel splits the buckets: the small one goes dense, the large ones compress.
+        state = gc_ddp.register(ddp, gradcomp.TopK(0.05), warmup_steps=1, min_numel=1000)
+        reported = []
+        for step in range(steps):
+            handed.append(0)
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            stats = state.stats()
+            reported.append({"bytes_sent": stats["last_step"]["bytes_sent"],
+                             "modes": sorted(b["mode"] for b in stats["last_step"]["buckets"].values())})
+        return {"handed": handed, "reported": reported, "total": state.stats()["total"]["bytes_sent"]}
+    finally:
+        exchange._all_gather_flat, dist.all_reduce = real_gather, real_reduce

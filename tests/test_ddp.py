@@ -1,0 +1,180 @@
+"""The DDP hook across real Gloo processes (2 and 3 ranks), against DDP itself and
+against an independent single-process simulation of warm-up + error feedback +
+compressor + rank-ordered average."""
+import math
+import pickle
+
+import pytest
+import torch
+
+import ddp_workers as workers
+import gradcomp
+from gradcomp.hooks import ddp as gc_ddp
+
+
+# -- the independent simulation ------------------------------------------------------------
+def twobit_by_hand(acc, t):
+    sent = torch.where(acc >= t, torch.tensor(t), torch.where(acc <= -t, torch.tensor(-t), torch.tensor(0.0)))
+    return sent
+
+
+def topk_by_hand(acc, ratio):
+    k = max(1, math.ceil(ratio * acc.numel()))
+    sent = torch.zeros_like(acc)
+    index = torch.topk(acc.abs(), k).indices  # random data: no ties at the boundary
+    sent[index] = acc[index]
+    return sent
+
+
+def simulate(spec, steps, world_size, warmup_steps, model_kind, lr=0.05):
+    """Averaged gradient per step and parameter, computed in one process.
+
+    Each rank's gradient comes from a local copy of the model; warm-up steps average as
+    DDP does (divide, then sum); compressed steps apply ``acc = g + e``, the compressor
+    rule written out by hand, ``e = acc - sent`` and ``(sent_0 + ... + sent_{P-1}) / P``.
+    TwoBit is elementwise, so bucket boundaries do not matter; TopK runs over all
+    parameters at once, so use it with a single-bucket model.
+    """
+    name, arg = spec
+    model = workers.make_model(model_kind)
+    names = [n for n, _ in model.named_parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    residuals = [{n: torch.zeros_like(p).view(-1) for n, p in model.named_parameters()} for _ in range(world_size)]
+    history = []
+    for step in range(steps):
+        local = [workers.local_gradients(model, rank, step) for rank in range(world_size)]
+        average = {}
+        if step < warmup_steps:
+            for n in names:
+                total = local[0][n] / world_size
+                for rank in range(1, world_size):
+                    total = total + local[rank][n] / world_size
+                average[n] = total
+        else:
+            total = None
+            for rank in range(world_size):
+                acc = torch.cat([local[rank][n].view(-1) + residuals[rank][n] for n in names])
+                sent = twobit_by_hand(acc, arg) if name == "twobit" else topk_by_hand(acc, arg)
+                offset = 0
+                for n in names:
+                    size = residuals[rank][n].numel()
+                    residuals[rank][n] = (acc - sent)[offset : offset + size]
+                    offset += size
+                total = sent if total is None else total + sent
+            total = total / world_size
+            offset = 0
+            for n, p in model.named_parameters():
+                average[n] = total[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        for n, p in model.named_parameters():
+            p.grad = average[n].clone()
+        optimizer.step()
+        history.append(average)
+    return history
+
+
+def assert_grads_equal(recorded, simulated):
+    for step, (got, want) in enumerate(zip(recorded, simulated)):
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"step {step} {name}: max diff {(got[name] - want[name]).abs().max()}"
+
+
+# -- tests ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_identity_hook_gives_the_same_gradients_as_ddp_without_hook(tmp_path, world_size):
+    results = workers.spawn(workers.identity_vs_builtin, world_size, str(tmp_path), 5)
+    for result in results:
+        assert_grads_equal(result["identity"], result["builtin"])
+
+
+CASES = [
+    # (compressor spec, world size, warm-up steps)
+    (("topk", 0.01), 2, 2),
+    (("twobit", 0.02), 2, 2),
+    (("topk", 0.01), 3, 0),
+    (("twobit", 0.02), 3, 0),
+]
+
+
+@pytest.mark.parametrize("spec,world_size,warmup", CASES, ids=lambda c: str(c))
+def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp_path, spec, world_size, warmup):
+    steps = 20
+    results = workers.spawn(
+        workers.train_and_record, world_size, str(tmp_path), spec, steps, "mlp", {"warmup_steps": warmup, "min_numel": 0}
+    )
+    for rank in range(1, world_size):
+        for name, value in results[0]["params"].items():
+            assert torch.equal(results[rank]["params"][name], value), f"rank {rank} diverged in {name}"
+    compressed_steps = [s for s, _, _ in results[0]["layouts"] if s >= warmup]
+    assert len(compressed_steps) >= steps - warmup  # the compressed path really ran
+    assert_grads_equal(results[0]["grads"], simulate(spec, steps, world_size, warmup, "mlp"))
+
+
+def test_residuals_follow_their_parameters_across_the_bucket_rebuild(tmp_path):
+    # Compression from step 0, so residuals exist before DDP rebuilds its buckets.
+    spec, steps = ("twobit", 0.02), 6
+    results = workers.spawn(
+        workers.train_and_record, 2, str(tmp_path), spec, steps, "shuffled",
+        {"warmup_steps": 0, "min_numel": 0}, {"bucket_cap_mb": 0.001},
+    )
+    layouts = results[0]["layouts"]
+    before = [names for step, _, names in layouts if step == 0]
+    after = [names for step, _, names in layouts if step == 1]
+    assert before != after and len(after) > 1, f"the bucket layout did not change: {before} -> {after}"
+    assert_grads_equal(results[0]["grads"], simulate(spec, steps, 2, 0, "shuffled"))
+
+
+def test_error_feedback_keeps_topk_within_5_percent_of_dense_and_beats_no_feedback(tmp_path):
+    loss = workers.spawn(workers.convergence, 2, str(tmp_path), 200, 0.01, 0.1)[0]
+    assert loss["topk_ef"] <= 1.05 * loss["dense"], loss
+    assert loss["topk_no_ef"] > 1.5 * loss["topk_ef"], loss
+
+
+def test_stats_report_exactly_the_bytes_handed_to_the_collectives(tmp_path):
+    results = workers.spawn(workers.count_collective_bytes, 2, str(tmp_path), 4)
+    for result in results:
+        assert [r["bytes_sent"] for r in result["reported"]] == result["handed"]
+        assert result["total"] == sum(result["handed"])
+        assert result["reported"][0]["modes"] == ["dense"]  # warm-up
+        assert "compressed" in result["reported"][-1]["modes"] and "dense" in result["reported"][-1]["modes"]
+        assert result["handed"][-1] < result["handed"][0] / 3
+
+
+# -- state object, no processes needed -----------------------------------------------------------
+def test_state_pickles_without_its_process_group():
+    model = torch.nn.Linear(4, 2)
+    state = gc_ddp.CompressionState(gradcomp.TopK(0.1), process_group=object(), named_parameters=model.named_parameters())
+    state.residuals.buffers(["weight"], [8], "cpu")[0].fill_(3.0)
+    state.step = 7
+    clone = pickle.loads(pickle.dumps(state))
+    assert clone.process_group is None and clone.step == 7 and clone.compressor.ratio == 0.1
+    assert torch.equal(clone.residuals.residual("weight"), torch.full((8,), 3.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"compressor": "topk"}, TypeError, "gradcomp.Compressor"),
+        ({"compressor": torch.nn.Linear(1, 1)}, TypeError, "gradcomp.Compressor"),
+        ({"warmup_steps": -1}, ValueError, "warmup_steps"),
+        ({"warmup_steps": 1.5}, ValueError, "warmup_steps"),
+        ({"min_numel": -5}, ValueError, "min_numel"),
+        ({"backend": "opencl"}, ValueError, "backend"),
+    ],
+)
+def test_state_rejects_bad_arguments_with_a_clear_message(kwargs, error, match):
+    arguments = {"compressor": gradcomp.TwoBit(0.5), **kwargs}
+    with pytest.raises(error, match=match):
+        gc_ddp.CompressionState(**arguments)
+
+
+def test_register_needs_a_ddp_model():
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        gc_ddp.register(torch.nn.Linear(2, 2), gradcomp.TopK(0.1))
+
+
+def test_state_dict_without_parameter_names_says_how_to_fix_it():
+    state = gc_ddp.CompressionState(gradcomp.TopK(0.1))
+    state.residuals.buffers([("id", 1)], [4], "cpu")
+    with pytest.raises(RuntimeError, match="named_parameters"):
+        state.state_dict()
