@@ -27,9 +27,14 @@ def allgather_payload(payload: Payload, group: Optional[dist.ProcessGroup] = Non
     group = group if group is not None else dist.group.WORLD
     gathered = torch.empty(group_size(group) * payload.nbytes, dtype=torch.uint8, device=payload.buffer.device)
     work = _all_gather_flat(gathered, payload.buffer, group=group, async_op=True)
-    # The work's own future does not reliably carry the output tensor on every backend,
-    # so hand on the buffer we gathered into.
-    return work.get_future().then(lambda _: [gathered])
+    # The work's own future does not carry the output tensor on every backend (Gloo
+    # gives back the input), so hand on the buffer we gathered into -- after value()
+    # has re-raised any failure of the collective.
+    def gathered_or_raise(fut: torch.futures.Future):
+        fut.value()
+        return [gathered]
+
+    return work.get_future().then(gathered_or_raise)
 
 
 def payload_of_rank(layout: PayloadLayout, gathered: torch.Tensor, rank: int) -> Payload:

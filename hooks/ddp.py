@@ -221,12 +221,24 @@ def _dense_allreduce(state: CompressionState, bucket: dist.GradBucket, mode: str
     fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
 
     def decompress(fut):
-        reduced = fut.value()[0]
+        reduced = _collective_result(fut, bucket)
         if reduced.data_ptr() != grad.data_ptr():
             grad.copy_(reduced)
         return grad
 
     return fut.then(decompress)
+
+
+def _collective_result(fut: torch.futures.Future, bucket: dist.GradBucket) -> torch.Tensor:
+    """The collective's output, or an error that says what failed and the likely cause."""
+    try:
+        return fut.value()[0]
+    except Exception as error:
+        raise RuntimeError(
+            f"gradcomp: the exchange of gradient bucket {bucket.index()} failed: {error}. "
+            "A peer rank probably died or timed out; see the other ranks' logs. Residuals "
+            "were left as they were before this step."
+        ) from error
 
 
 def _flush_residuals(state: CompressionState, bucket: dist.GradBucket, grad: torch.Tensor) -> None:
@@ -297,7 +309,7 @@ def _compressed_exchange(state: CompressionState, bucket: dist.GradBucket) -> to
     fut = allgather_payload(payload, state.process_group)
 
     def decompress(fut):
-        gathered = fut.value()[0]
+        gathered = _collective_result(fut, bucket)
         out = grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
         average_gathered(compressor, layout, gathered, out, backend)
         if use_feedback:

@@ -22,12 +22,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def spawn(worker, world_size, out_dir, *args, timeout_s=120):
-    """Run ``worker(rank, world_size, out_dir, *args)`` on ``world_size`` Gloo ranks and
-    return the list of per-rank results."""
+def spawn(worker, world_size, out_dir, *args, timeout_s=180, pg_timeout_s=60, check=True):
+    """Run ``worker(rank, world_size, *args)`` on ``world_size`` Gloo ranks and return
+    the list of per-rank results (``None`` for a rank that saved none). With
+    ``check=False`` a failing rank is allowed; exit codes are then returned as well."""
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(worker, rank, world_size, port, out_dir, args)) for rank in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(worker, rank, world_size, port, out_dir, args, pg_timeout_s))
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -35,16 +39,22 @@ def spawn(worker, world_size, out_dir, *args, timeout_s=120):
     for proc in procs:
         if proc.is_alive():
             proc.kill()
+            proc.join()
     codes = [proc.exitcode for proc in procs]
-    assert codes == [0] * world_size, f"ranks exited with {codes}"
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    if check:
+        assert codes == [0] * world_size, f"ranks exited with {codes}"
+    results = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.pt")
+        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    return results if check else (results, codes)
 
 
-def _entry(worker, rank, world_size, port, out_dir, args):
+def _entry(worker, rank, world_size, port, out_dir, args, pg_timeout_s):
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
     try:
         result = worker(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
