@@ -1,0 +1,341 @@
+"""The ``cuda`` backend: the kernels of ``csrc/`` compiled by NVRTC through CuPy.
+
+Contracts are in :mod:`gradcomp.backends`. Each op is a short, fixed sequence of kernel
+launches on ``torch.cuda.current_stream()``, with no host synchronisation:
+
+* ``twobit_compress``: one kernel (compensate, quantise, pack, residual) -- one pass.
+* ``twobit_decompress_add``: one kernel.
+* ``topk_compress``: radix select in 3 passes of histogram + select, then a count and an
+  ordered write of values, indices and residual (see ``csrc/topk.cu``).
+* ``topk_decompress_add``: one kernel.
+
+The launch plans are plain functions of a ``launch(name, grid, block, args)`` callable and a
+:class:`LaunchConfig`, so the tests run the very same plans against a CPU emulation of the
+kernels (``tests/emulation``), with tiny blocks and grids, where no GPU exists.
+
+Tensors stay torch tensors: kernels receive their ``data_ptr()`` (zero-copy, like DLPack
+but without building a CuPy array per call), scratch comes from torch's caching allocator
+(so CuPy's memory pool never holds GPU memory beside torch's), and launches go on torch's
+current stream, so ordering with the surrounding torch work is what torch already ensures.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+import numpy
+import torch
+
+import cupy  # ImportError here marks the backend unavailable (gradcomp.backends._load)
+
+import gradcomp.csrc
+from gradcomp.backends import register
+
+SOURCE_DIR = os.path.dirname(os.path.abspath(gradcomp.csrc.__file__))
+#: Kernel sources compiled into one module, in this order.
+SOURCE_FILES = ("twobit.cu", "topk.cu")
+#: ``GRADCOMP_MAX_THREADS`` of ``csrc/gradcomp_common.cuh``: shared arrays are sized for it.
+MAX_THREADS = 256
+#: Options for NVRTC. No fast-math: the kernels must match the torch reference bit for bit.
+NVRTC_OPTIONS = ("-std=c++17",)
+
+#: ``launch(kernel_name, grid, block, args)``; ``args`` are NumPy scalars: ``numpy.uint64``
+#: for pointers, ``numpy.int64``/``numpy.int32`` for integers, ``numpy.float32`` for floats.
+Launch = Callable[[str, int, int, Tuple], None]
+
+_DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_INDEX_SUFFIX = {torch.int32: "i32", torch.int64: "i64"}
+# Radix-select passes over the 31-bit magnitude key: (shift, bits), most significant first.
+TOPK_PASSES = ((20, 11), (10, 10), (0, 10))
+_TOPK_HISTOGRAM_BINS = sum(1 << bits for _, bits in TOPK_PASSES)
+_TOPK_STATE = 2  # prefix (the threshold key once done), how many ties are still needed
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Block and grid sizes. Grid-stride loops make every size correct; these only tune.
+
+    ``threads``: threads per block (at most :data:`MAX_THREADS`). ``max_blocks``: grid cap of
+    the element-wise kernels and of top-k's count/write (whose per-block prefix costs
+    O(grid)). ``histogram_blocks``: grid cap of top-k's histogram passes, lower because
+    every block flushes a whole histogram with global atomics.
+    """
+
+    threads: int = 256
+    max_blocks: int = 1024
+    histogram_blocks: int = 256
+
+    def __post_init__(self):
+        if not 1 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"LaunchConfig.threads must be in [1, {MAX_THREADS}], got {self.threads}")
+        if self.max_blocks < 1 or self.histogram_blocks < 1:
+            raise ValueError("LaunchConfig.max_blocks and histogram_blocks must be >= 1")
+
+    def blocks(self, work_items: int, cap: Optional[int] = None) -> int:
+        """Blocks for ``work_items`` items of one thread each, at least 1, at most ``cap``."""
+        return max(1, min(cap or self.max_blocks, -(-work_items // self.threads)))
+
+
+def _ptr(tensor: Optional[torch.Tensor]) -> numpy.uint64:
+    return numpy.uint64(0 if tensor is None else tensor.data_ptr())
+
+
+def _check_vector(name: str, tensor: Optional[torch.Tensor], dtypes, numel: Optional[int] = None) -> None:
+    if tensor is None:
+        return
+    if tensor.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {tensor.dtype}")
+    if tensor.dim() != 1 or not tensor.is_contiguous():
+        raise ValueError(f"{name} must be a flat contiguous tensor, got shape {tuple(tensor.shape)}")
+    if numel is not None and tensor.numel() != numel:
+        raise ValueError(f"{name} must have {numel} elements, got {tensor.numel()}")
+
+
+def _check_compress(grad, residual_in, residual_out) -> int:
+    _check_vector("grad", grad, tuple(_DTYPE_SUFFIX))
+    n = grad.numel()
+    _check_vector("residual_in", residual_in, (torch.float32,), n)
+    _check_vector("residual_out", residual_out, (torch.float32,), n)
+    return n
+
+
+# --- launch plans (shared by the GPU and the CPU emulation) ----------------------------
+
+
+def plan_twobit_compress(launch: Launch, config: LaunchConfig, grad, residual_in, residual_out, threshold, codes):
+    n = _check_compress(grad, residual_in, residual_out)
+    _check_vector("codes", codes, (torch.int32,), (n + 15) // 16)
+    if n == 0:
+        return
+    tiles = -(-n // (16 * config.threads))  # a block packs 16 * threads elements per tile
+    launch(
+        f"gradcomp_twobit_compress_{_DTYPE_SUFFIX[grad.dtype]}",
+        min(tiles, config.max_blocks),
+        config.threads,
+        (_ptr(grad), _ptr(residual_in), _ptr(residual_out), numpy.float32(threshold), _ptr(codes), numpy.int64(n)),
+    )
+
+
+def plan_twobit_decompress_add(launch: Launch, config: LaunchConfig, codes, threshold, out):
+    _check_vector("out", out, (torch.float32,))
+    n = out.numel()
+    _check_vector("codes", codes, (torch.int32,), (n + 15) // 16)
+    if n == 0:
+        return
+    launch(
+        "gradcomp_twobit_decompress_add",
+        config.blocks(n),
+        config.threads,
+        (_ptr(codes), numpy.float32(threshold), _ptr(out), numpy.int64(n)),
+    )
+
+
+def plan_topk_compress(launch: Launch, config: LaunchConfig, grad, residual_in, residual_out, values, indices):
+    n = _check_compress(grad, residual_in, residual_out)
+    _check_vector("values", values, (grad.dtype,))
+    k = values.numel()
+    _check_vector("indices", indices, tuple(_INDEX_SUFFIX), k)
+    if k > n:
+        raise ValueError(f"top-k of {n} elements cannot keep k={k}")
+    if indices.dtype == torch.int32 and n >= 2**31:
+        raise TypeError(f"indices must be int64 for n >= 2**31 (n={n})")
+    if n == 0:
+        return
+    suffix = _DTYPE_SUFFIX[grad.dtype]
+    blocks = config.blocks(n)
+    # One zeroed int64 scratch: histograms of every pass, the select state, per-block counts.
+    scratch = torch.zeros(_TOPK_HISTOGRAM_BINS + _TOPK_STATE + 2 * blocks, dtype=torch.int64, device=grad.device)
+    base = scratch.data_ptr()
+    state = numpy.uint64(base + 8 * _TOPK_HISTOGRAM_BINS)
+    block_above = numpy.uint64(base + 8 * (_TOPK_HISTOGRAM_BINS + _TOPK_STATE))
+    block_ties = numpy.uint64(base + 8 * (_TOPK_HISTOGRAM_BINS + _TOPK_STATE + blocks))
+    g, r_in, n64 = _ptr(grad), _ptr(residual_in), numpy.int64(n)
+    if k == 0:
+        # Nothing selected: a threshold above every 31-bit key, no ties needed.
+        scratch[_TOPK_HISTOGRAM_BINS] = 1 << 31
+    else:
+        histogram = base
+        for index, (shift, bits) in enumerate(TOPK_PASSES):
+            launch(
+                f"gradcomp_topk_histogram_{suffix}",
+                config.blocks(n, config.histogram_blocks),
+                config.threads,
+                (g, r_in, n64, numpy.uint64(histogram), state, numpy.int32(shift), numpy.int32(bits),
+                 numpy.int32(index)),
+            )
+            launch(
+                "gradcomp_topk_select",
+                1,
+                config.threads,
+                (numpy.uint64(histogram), numpy.int32(1 << bits), numpy.int32(shift), state, numpy.int64(k),
+                 numpy.int32(index)),
+            )
+            histogram += 8 << bits
+        launch(f"gradcomp_topk_count_{suffix}", blocks, config.threads, (g, r_in, n64, state, block_above, block_ties))
+    launch(
+        f"gradcomp_topk_write_{suffix}_{_INDEX_SUFFIX[indices.dtype]}",
+        blocks,
+        config.threads,
+        (g, r_in, _ptr(residual_out), n64, state, block_above, block_ties, _ptr(values), _ptr(indices)),
+    )
+
+
+def plan_topk_decompress_add(launch: Launch, config: LaunchConfig, values, indices, out):
+    _check_vector("out", out, (torch.float32,))
+    _check_vector("values", values, tuple(_DTYPE_SUFFIX))
+    k = values.numel()
+    _check_vector("indices", indices, tuple(_INDEX_SUFFIX), k)
+    if k == 0:
+        return
+    launch(
+        f"gradcomp_topk_decompress_add_{_DTYPE_SUFFIX[values.dtype]}_{_INDEX_SUFFIX[indices.dtype]}",
+        config.blocks(k),
+        config.threads,
+        (_ptr(values), _ptr(indices), _ptr(out), numpy.int64(k)),
+    )
+
+
+# --- sources and the compiled module ---------------------------------------------------
+
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
+
+
+def kernel_source(source_dir: str = SOURCE_DIR, files: Iterable[str] = SOURCE_FILES) -> str:
+    """One translation unit: :data:`SOURCE_FILES` with their local ``#include "..."`` inlined.
+
+    Inlining (each header once) needs no include path for NVRTC, and makes CuPy's on-disk
+    kernel cache, keyed by the source text, see any change to a header.
+    """
+    seen = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        with open(os.path.join(source_dir, name), encoding="utf-8") as handle:
+            text = handle.read()
+        return _LOCAL_INCLUDE.sub(lambda match: expand(match.group(1)), text)
+
+    return "\n".join(f"// ---- {name}\n{expand(name)}" for name in files)
+
+
+class CupyLaunch:
+    """A :data:`Launch` on CuPy for one device: kernels looked up by name once, then reused.
+
+    Launches go on CuPy's current stream, which :func:`_run_on_device` sets to torch's.
+    """
+
+    def __init__(self, module: "cupy.RawModule"):
+        self.module = module
+        self.kernels: Dict[str, "cupy.RawKernel"] = {}
+
+    def __call__(self, name: str, grid: int, block: int, args: Tuple) -> None:
+        kernel = self.kernels.get(name)
+        if kernel is None:
+            kernel = self.kernels[name] = self.module.get_function(name)
+        kernel((grid,), (block,), args)
+
+
+_launchers: Dict[int, CupyLaunch] = {}
+_configs: Dict[int, LaunchConfig] = {}
+_lock = threading.Lock()
+
+
+def device_launcher(device_index: int) -> CupyLaunch:
+    """The kernels compiled for CUDA device ``device_index``: once per device, then cached.
+
+    Raises ``RuntimeError`` saying what to do when there is no usable CUDA device or the
+    compilation fails.
+    """
+    launcher = _launchers.get(device_index)
+    if launcher is not None:
+        return launcher
+    with _lock:
+        launcher = _launchers.get(device_index)
+        if launcher is None:
+            try:
+                with cupy.cuda.Device(device_index):
+                    module = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
+                    launcher = CupyLaunch(module)
+                    launcher.kernels["gradcomp_twobit_decompress_add"] = module.get_function(
+                        "gradcomp_twobit_decompress_add"
+                    )  # compiles the module now rather than in the middle of an op
+            except Exception as error:  # CUDARuntimeError, CompileException, OSError, ...
+                raise RuntimeError(
+                    f"gradcomp's cuda backend could not compile its kernels for CUDA device {device_index} "
+                    f"({type(error).__name__}: {error}). It needs a CUDA GPU with a working driver and a CuPy "
+                    f"built for that CUDA version (pip install cupy-cuda12x); without one, use "
+                    f"backend='torch' or backend='numba' (or set GRADCOMP_BACKEND)."
+                ) from error
+            _launchers[device_index] = launcher
+    return launcher
+
+
+def device_config(device_index: int) -> LaunchConfig:
+    """Launch sizes for a device: enough blocks to fill every SM several times over."""
+    config = _configs.get(device_index)
+    if config is None:
+        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        config = _configs[device_index] = LaunchConfig(
+            threads=MAX_THREADS, max_blocks=8 * sms, histogram_blocks=2 * sms
+        )
+    return config
+
+
+_streams: Dict[Tuple[int, int], "cupy.cuda.Stream"] = {}
+
+
+def _cupy_stream(device_index: int) -> "cupy.cuda.Stream":
+    """torch's current stream on the device, as a CuPy stream (wrapped once per stream)."""
+    stream = torch.cuda.current_stream(device_index)
+    key = (device_index, stream.cuda_stream)
+    wrapped = _streams.get(key)
+    if wrapped is None:
+        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14: the CUDA stream protocol
+            wrapped = cupy.cuda.Stream.from_external(stream)
+        else:
+            wrapped = cupy.cuda.ExternalStream(stream.cuda_stream, device_index)
+        _streams[key] = wrapped
+    return wrapped
+
+
+def _run_on_device(plan, tensors, *args) -> None:
+    """Run ``plan(launch, config, *args)`` on the device of ``tensors``, on torch's stream."""
+    present = [t for t in tensors if t is not None]
+    devices = {t.device for t in present}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise RuntimeError(
+            "gradcomp's cuda backend needs every tensor on one CUDA device, got "
+            f"{sorted(str(d) for d in devices)}; use backend='torch' or 'numba' for CPU tensors"
+        )
+    index = present[0].device.index
+    if index is None:
+        index = torch.cuda.current_device()
+    launcher = device_launcher(index)
+    with cupy.cuda.Device(index), _cupy_stream(index):
+        plan(launcher, device_config(index), *args)
+
+
+@register("twobit_compress", "cuda")
+def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) -> None:
+    _run_on_device(plan_twobit_compress, (grad, residual_in, residual_out, codes),
+                   grad, residual_in, residual_out, threshold, codes)
+
+
+@register("twobit_decompress_add", "cuda")
+def twobit_decompress_add(codes, threshold: float, out) -> None:
+    _run_on_device(plan_twobit_decompress_add, (codes, out), codes, threshold, out)
+
+
+@register("topk_compress", "cuda")
+def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
+    _run_on_device(plan_topk_compress, (grad, residual_in, residual_out, values, indices),
+                   grad, residual_in, residual_out, values, indices)
+
+
+@register("topk_decompress_add", "cuda")
+def topk_decompress_add(values, indices, out) -> None:
+    _run_on_device(plan_topk_decompress_add, (values, indices, out), values, indices, out)
