@@ -19,6 +19,9 @@ setup(
         "cuda": ["cupy-cuda12x>=13"],
         "horovod": ["horovod==0.28.1", "cloudpickle", "psutil", "pyyaml", "packaging"],
         "experiments": ["numba>=0.60", "matplotlib", "scikit-learn", "tqdm"],
-        "test": ["numba>=0.60", "pytest", "hypothesis", "scikit-learn"],
+        # CuPy and NVRTC import and compile without a GPU: the tests then check the cuda
+        # backend's registration and that NVRTC accepts the exact kernel sources.
+        "test": ["numba>=0.60", "pytest", "hypothesis", "scikit-learn", "matplotlib", "tqdm",
+                 "cupy-cuda12x>=13", "nvidia-cuda-nvrtc-cu12"],
     },
 )

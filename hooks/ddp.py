@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from gradcomp.backends import BACKENDS
+from gradcomp.backends import BACKENDS, resolve_backend
 from gradcomp.compressors.base import Compressor
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.exchange import allgather_payload, average_gathered, group_size
@@ -147,12 +147,14 @@ class CompressionState:
             self.residuals.load_state_dict({"residuals": state_dict["residuals"]})
 
     # -- telemetry ---------------------------------------------------------------------
-    def _record(self, bucket_index: int, bytes_sent: int, dense_bytes: int, compress_s: float, mode: str) -> None:
+    def _record(self, bucket_index: int, bytes_sent: int, dense_bytes: int, compress_s: float, mode: str,
+                backend: Optional[str] = None) -> None:
         self._step_stats[bucket_index] = {
             "bytes_sent": bytes_sent,
             "dense_bytes": dense_bytes,
             "compress_s": compress_s,
             "mode": mode,
+            "backend": backend,
         }
         self._totals["bytes_sent"] += bytes_sent
         self._totals["dense_bytes"] += dense_bytes
@@ -170,7 +172,9 @@ class CompressionState:
         Returns ``{"step": int, "last_step": {...}, "total": {...}}`` where each part has
         ``bytes_sent``, ``dense_bytes`` (what a dense allreduce of the same buckets would
         hand over), ``ratio`` (dense ÷ sent) and ``compress_s``; ``last_step`` also has
-        ``buckets``: ``{bucket index: {..., "mode": "dense" | "compressed"}}``.
+        ``buckets``: ``{bucket index: {..., "mode": "dense" | "compressed", "backend"}}``
+        where ``backend`` is the kernel backend that compressed the bucket (``None``
+        for an allreduce).
         """
 
         def summary(parts: dict) -> dict:
@@ -304,7 +308,8 @@ def _compressed_exchange(state: CompressionState, bucket: dist.GradBucket) -> to
         payload = compressor.compress(grad, backend=backend)
     compress_s = time.perf_counter() - started
 
-    state._record(bucket.index(), payload.nbytes, grad.numel() * grad.element_size(), compress_s, "compressed")
+    state._record(bucket.index(), payload.nbytes, grad.numel() * grad.element_size(), compress_s, "compressed",
+                  resolve_backend(grad.device, backend))
     layout = payload.layout
     fut = allgather_payload(payload, state.process_group)
 

@@ -178,3 +178,16 @@ def test_state_dict_without_parameter_names_says_how_to_fix_it():
     state.residuals.buffers([("id", 1)], [4], "cpu")
     with pytest.raises(RuntimeError, match="named_parameters"):
         state.state_dict()
+
+
+@pytest.mark.parametrize("spec", [("twobit", 0.02), ("topk", 0.01)], ids=str)
+def test_hook_uses_numba_automatically_on_cpu_and_matches_the_torch_backend(tmp_path, monkeypatch, spec):
+    monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)
+    (tmp_path / "auto").mkdir(), (tmp_path / "torch").mkdir()
+    kwargs = {"warmup_steps": 0, "min_numel": 0}
+    auto = workers.spawn(workers.train_and_record, 2, str(tmp_path / "auto"), spec, 6, "mlp", kwargs)
+    reference = workers.spawn(workers.train_and_record, 2, str(tmp_path / "torch"), spec, 6, "mlp", {**kwargs, "backend": "torch"})
+    assert {b["backend"] for b in auto[0]["stats"]["last_step"]["buckets"].values()} == {"numba"}
+    assert {b["backend"] for b in reference[0]["stats"]["last_step"]["buckets"].values()} == {"torch"}
+    # Same canonical tie rule on both backends: the same sets, so the same bits.
+    assert_grads_equal(auto[0]["grads"], reference[0]["grads"])

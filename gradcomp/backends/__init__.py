@@ -34,7 +34,9 @@ Unused bits of the last word are zero.
 
 Top-k. ``k = values.numel()``. The selection is the ``k`` entries of largest ``|acc|``,
 where magnitude is ordered by the bits of ``|acc|`` read as an unsigned integer (so NaN >
-inf > every finite value, as in ``torch.topk``), ties broken towards the lower index. The
+inf > every finite value, as in ``torch.topk``), ties broken towards the lower index.
+Every NaN has the same magnitude, ``0x7FFFFFFF``, whatever its payload bits: those are
+not portable across hardware, so NaNs tie and go by index. The
 selected indices are written in ascending order (int32, or int64 when ``n >= 2**31``) and
 ``values[j] = acc[indices[j]]`` cast to the dtype of ``values``.
 """

@@ -63,11 +63,14 @@ def topk_select(acc: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (int64, ascending) of the ``k`` largest ``|acc|``, ties to the lower index.
 
     Magnitude is the bit pattern of ``|acc|`` as an integer, which orders NaN > inf >
-    finite. Packing ``(magnitude, -index)`` into one int64 key makes every key unique, so
+    finite; all NaNs count as ``0x7FFFFFFF`` and tie. Packing ``(magnitude, -index)`` into one int64 key makes every key unique, so
     ``torch.topk`` has no ties left to break arbitrarily.
     """
     n = acc.numel()
     magnitude = acc.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    # NaN payload bits are not portable (GPUs produce one canonical NaN, x86 keeps the
+    # input's bits), so every NaN gets the same magnitude, above inf.
+    magnitude = torch.where(torch.isnan(acc), torch.full_like(magnitude, 0x7FFFFFFF), magnitude)
     index = torch.arange(n, dtype=torch.int64, device=acc.device)
     key = (magnitude << 32) | (0xFFFFFFFF - index)
     return torch.topk(key, k, sorted=False).indices.sort().values
