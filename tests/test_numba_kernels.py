@@ -282,6 +282,20 @@ def test_topk_nan_and_inf_are_the_largest():
     assert indices.tolist() == [3, 10, 500, 999]
 
 
+def test_every_nan_has_the_same_magnitude(many_chunks):
+    """NaN payloads and signs do not order NaNs: they tie, and go by index."""
+    grad = gaussian(5000, 8)
+    nans = {4900: 0x7FC00000, 3: -0x00400000, 2500: 0x7F800001, 77: 0x7FFFFFFF, 640: -0x00600000, 12: 0x7FC12345}
+    grad.view(torch.int32)[list(nans)] = torch.tensor(list(nans.values()), dtype=torch.int32)
+    grad[1000] = float("inf")
+    values, indices = torch.empty(3), torch.empty(3, dtype=torch.int32)
+    KERNELS[("topk_compress", "numba")](grad, None, None, values, indices)
+    assert indices.tolist() == [3, 12, 77]
+    for k in range(1, 9):
+        check_topk(grad, None, torch.empty(grad.numel()), k)
+        check_topk(grad, gaussian(grad.numel(), 9), torch.empty(grad.numel()), k, values_dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("values_dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_float32_to_half_casts_match_torch_bit_for_bit(values_dtype):
     """With k == n every element is sent, so ``values`` is the cast of ``acc`` as a whole:

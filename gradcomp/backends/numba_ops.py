@@ -23,8 +23,8 @@ Design notes:
   reads ``grad`` (and the residual), writes ``residual_out`` and one code per byte into
   an L1-resident scratch buffer, and a second vectorised loop packs four codes per byte
   straight into the code words (see the section comment).
-* **Top-k** is an exact radix select on the key ``bits(|acc|)`` (31 bits; NaN > inf >
-  finite, as the contract wants):
+* **Top-k** is an exact radix select on the key ``bits(|acc|)`` (31 bits, every NaN
+  counted as ``0x7FFFFFFF``; NaN > inf > finite, as the contract wants):
 
   1. pass 1 over the data computes ``acc``, writes ``residual_out = acc`` and per-chunk
      histograms of the top 11 key bits (8 exponent + 3 mantissa bits);
@@ -105,13 +105,16 @@ def _bits_of_f32(typingctx, value):
 
 @intrinsic
 def _key_of_f32(typingctx, value):
-    """``bits(|value|)`` as an int32: the top-k ordering key (NaN > inf > finite)."""
+    """The top-k ordering key of ``value`` as an int32: ``bits(|value|)``, and
+    ``0x7FFFFFFF`` for every NaN (so NaN > inf > finite, and NaN payloads tie)."""
     if value != types.float32:
         return None
 
     def codegen(context, builder, signature, args):
-        raw = builder.bitcast(args[0], ir.IntType(32))
-        return builder.and_(raw, ir.Constant(ir.IntType(32), 0x7FFFFFFF))
+        i32 = ir.IntType(32)
+        magnitude = builder.and_(builder.bitcast(args[0], i32), ir.Constant(i32, 0x7FFFFFFF))
+        is_nan = builder.icmp_signed(">", magnitude, ir.Constant(i32, 0x7F800000))
+        return builder.select(is_nan, ir.Constant(i32, 0x7FFFFFFF), magnitude)
 
     return types.int32(value), codegen
 
@@ -366,6 +369,13 @@ _MIN_CHUNK = 65536
 
 
 @njit(cache=True)
+def _key_of_bits(bits):
+    """:func:`_key_of_f32` of the float32 whose bits are ``bits``, as an int64."""
+    magnitude = bits & _MAGNITUDE
+    return _MAGNITUDE if magnitude > 0x7F800000 else magnitude
+
+
+@njit(cache=True)
 def _acc(grad, residual_in, i):
     a = _load(grad, i)
     if residual_in is not None:
@@ -398,7 +408,7 @@ def _topk_histogram_chunk(grad, residual_in, residual_out, lo, hi, scratch, sub_
             a = _acc(grad, residual_in, i)
             if residual_out is not None:
                 target[i] = a
-            scratch[i - base] = np.uint16((_bits_of_f32(a) >> _L1_SHIFT) & (_L1_BINS - 1))
+            scratch[i - base] = np.uint16(_key_of_f32(a) >> _L1_SHIFT)
         m = stop - start
         quads = m - m % 4
         for j in range(0, quads, 4):
@@ -453,7 +463,7 @@ def _append_candidate(i, a, flag, values, b1, cand_index, cand_bits, c, boundary
     the call has no branch on the data. Returns the new cursors. ``residual_out`` only
     says whether to settle the residual (in ``target``)."""
     bits = _bits_of_f32(a)
-    key = bits & _MAGNITUDE
+    key = _key_of_bits(bits)
     taken = np.int64(flag)
     in_b1 = taken & np.int64((key >> _L1_SHIFT) == b1)
     cand_index[c] = i
@@ -573,7 +583,7 @@ def _write_chunk(
         if o == end:
             break
         bits = cand_bits[j]
-        key = bits & _MAGNITUDE
+        key = _key_of_bits(bits)
         tie = key == threshold
         selected = (key > threshold) | (tie & (taken < ties))
         taken += tie & selected
