@@ -36,7 +36,11 @@ Top-k. ``k = values.numel()``. The selection is the ``k`` entries of largest ``|
 where magnitude is ordered by the bits of ``|acc|`` read as an unsigned integer (so NaN >
 inf > every finite value, as in ``torch.topk``), ties broken towards the lower index.
 Every NaN has the same magnitude, ``0x7FFFFFFF``, whatever its payload bits: those are
-not portable across hardware, so NaNs tie and go by index. The
+not portable across hardware, so NaNs tie and go by index. ``n == 0`` (then ``k == 0``)
+is valid and writes nothing.
+
+Where an entry is NaN, the NaN's payload bits in ``values`` and ``residual_out`` are
+unspecified: backends agree on *which* entries are NaN, not on their bits. The
 selected indices are written in ascending order (int32, or int64 when ``n >= 2**31``) and
 ``values[j] = acc[indices[j]]`` cast to the dtype of ``values``.
 """
