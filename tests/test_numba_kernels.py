@@ -414,3 +414,39 @@ def test_results_do_not_depend_on_the_thread_count():
         [sys.executable, "-c", _THREADS_SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0 and "same" in result.stdout, result.stderr[-3000:]
+
+
+_CONCURRENT_SCRIPT = r"""
+import threading, torch
+from gradcomp.backends import numba_ops, torch_ops
+errors = []
+def work(seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(30):
+        grad = torch.randn(300_000, generator=gen)
+        got_v, got_i = torch.empty(3000), torch.empty(3000, dtype=torch.int32)
+        want_v, want_i = torch.empty(3000), torch.empty(3000, dtype=torch.int32)
+        numba_ops.topk_compress(grad, None, None, got_v, got_i)
+        torch_ops.topk_compress(grad, None, None, want_v, want_i)
+        codes, want_codes = torch.empty(18750, dtype=torch.int32), torch.empty(18750, dtype=torch.int32)
+        numba_ops.twobit_compress(grad, None, None, 0.5, codes)
+        torch_ops.twobit_compress(grad, None, None, 0.5, want_codes)
+        if not (torch.equal(got_i, want_i) and torch.equal(got_v, want_v) and torch.equal(codes, want_codes)):
+            errors.append(seed)
+threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
+[t.start() for t in threads]; [t.join() for t in threads]
+assert not errors, errors
+print("ok")
+"""
+
+
+def test_ops_called_from_two_threads_at_once_stay_correct():
+    # DDP compresses on the backward thread while Gloo's callback thread decompresses.
+    # Parallel kernels release the GIL, so without the kernel lock the shared top-k
+    # scratch races and Numba's workqueue layer aborts the whole process.
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue", "NUMBA_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", _CONCURRENT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

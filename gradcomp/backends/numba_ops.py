@@ -50,7 +50,9 @@ top-k workspace be shared.
 """
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 
 import numba
 import numpy as np
@@ -694,8 +696,23 @@ def _residual_arg(residual_in, residual_out):
 
 # Grow-only scratch for the top-k histograms and candidates, reused across calls: fresh
 # buffers of a few MiB would be page-faulted in on every call, which costs several percent
-# of a call. Kernels hold the GIL, so two calls never use it at the same time.
+# of a call. Parallel kernels release the GIL while they run, and DDP calls them from two
+# threads at once (compress on the backward thread, decompress in Gloo's callback
+# thread), so every op runs under _KERNEL_LOCK: that guards this scratch and keeps
+# Numba's threading layers (workqueue aborts on concurrent launches) out of trouble.
 _HIST_WORKSPACE = np.empty((_MAX_CHUNKS, _L1_BINS), np.int64)
+_KERNEL_LOCK = threading.Lock()
+
+
+def _serialized(op):
+    """Run ``op`` under :data:`_KERNEL_LOCK` (see above)."""
+
+    @functools.wraps(op)
+    def locked(*args, **kwargs):
+        with _KERNEL_LOCK:
+            return op(*args, **kwargs)
+
+    return locked
 _TOPK_WORKSPACE = {}
 
 
@@ -727,6 +744,7 @@ def _chunks(n: int) -> int:
 
 
 @register("twobit_compress", "numba")
+@_serialized
 def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) -> None:
     _check("grad", grad, _GRAD_DTYPES)
     _check("residual_in", residual_in, (torch.float32,))
@@ -741,6 +759,7 @@ def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) ->
 
 
 @register("twobit_decompress_add", "numba")
+@_serialized
 def twobit_decompress_add(codes, threshold: float, out) -> None:
     _check("codes", codes, (torch.int32,))
     _check("out", out, (torch.float32,))
@@ -750,6 +769,7 @@ def twobit_decompress_add(codes, threshold: float, out) -> None:
 
 
 @register("topk_compress", "numba")
+@_serialized
 def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
     _check("grad", grad, _GRAD_DTYPES)
     _check("residual_in", residual_in, (torch.float32,))
@@ -775,6 +795,7 @@ def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
 
 
 @register("topk_decompress_add", "numba")
+@_serialized
 def topk_decompress_add(values, indices, out) -> None:
     _check("values", values, _GRAD_DTYPES)
     _check("indices", indices, (torch.int32, torch.int64))
