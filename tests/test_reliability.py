@@ -114,3 +114,21 @@ def test_tensors_smaller_than_k_send_everything(n):
     out = torch.zeros(n)
     compressor.decompress_add(payload, out)
     assert torch.equal(out + residual_out, grad)
+
+
+def test_a_tensor_of_more_than_2_31_elements_uses_int64_indices_end_to_end():
+    # One real tensor past int32's range (4 GiB of fp16, 8 GiB of fp32 output): the
+    # index width, the offsets and the scatter back must all be 64-bit.
+    n = 2**31 + 16
+    grad = torch.zeros(n, dtype=torch.float16)
+    grad[3], grad[2**31 - 2], grad[2**31 + 5] = -9.0, 5.0, 7.0
+    compressor = gradcomp.TopK(1e-9)  # k = 3
+    payload = compressor.compress(grad)
+    del grad
+    assert payload["indices"].dtype == torch.int64
+    assert payload["indices"].tolist() == [3, 2**31 - 2, 2**31 + 5]
+    assert payload["values"].tolist() == [-9.0, 5.0, 7.0]
+    out = torch.zeros(n)
+    compressor.decompress_add(payload, out)
+    assert out[2**31 + 5].item() == 7.0 and out[2**31 - 2].item() == 5.0 and out[3].item() == -9.0
+    assert out.abs().sum().item() == 21.0
