@@ -1,0 +1,470 @@
+"""The comparison: gradient-communication methods x link rates x workloads.
+
+Every run is ``train.py`` in a fresh set of processes (``--nproc`` ranks x ``--threads``
+threads, default 2 x 1), inside a tbf-shaped network namespace for shaped links
+(``netem.py``). Results go to ``--out`` (default ``results/``):
+
+* ``runs/<workload>__<link>__<method>.jsonl`` (and ``.out``): each run's log and output;
+* ``summary.json`` (a list of records, one per run), ``summary.csv``, ``meta.json``;
+* ``results.md``: the table (also printed at the end), with the settings and caveats;
+* plots (PNG): loss vs step, loss vs training time, step-time breakdown, bytes per step.
+
+Record fields: ``workload``, ``method``, ``link`` (``1gbit``, ``unshaped``, ...),
+``shaped``, ``link_fallback``, ``step_time_s`` (median over steps after the first
+``WARMUP_SKIP``: DDP's bucket rebuild, the methods' dense warm-up and JIT compilation),
+``step_time_over_floor`` (÷ the ``noop`` step time of the same workload and link),
+``compute_s`` / ``compress_s`` / ``comm_s`` (the breakdown, see below),
+``bytes_per_step`` / ``dense_bytes_per_step`` / ``compression_ratio`` (per rank),
+``wire_bytes_per_step`` (measured on the namespace's loopback, shaped links only),
+``final_loss`` (held-out loss at the end), ``final_train_loss``, ``accuracy`` (digits).
+
+Breakdown: ``compute_s`` is the ``noop`` run's median step time (same workload and link:
+forward, backward and optimizer with no communication); ``compress_s`` the median time
+inside the compression hook on the training thread; ``comm_s = step - compute - compress``
+(exposed communication, decompression and waiting for the other rank; clipped at 0).
+
+Modes:
+
+``--quick`` (default; ~12 minutes on 2 quiet cores)
+    * ``charlm``: the default 10.8M-parameter transformer, 15 steps, every baseline and
+      gradcomp method on every link: the step-time comparison;
+    * ``charlm-small``: the 0.4M-parameter preset, 200 steps, first link only, plus the
+      no-error-feedback variants: the convergence comparison;
+    * ``digits``: 200 steps, every method on every link (no-EF variants on the first).
+``--full`` (~2-3 hours)
+    ``charlm`` 300 steps with all methods (convergence at full size), ``charlm-small``
+    1000 steps, ``digits`` 1000 steps.
+``--tiny`` (for tests, ~1 minute)
+    a 1-layer charlm and digits, 4 steps, noop/dense/topk, unshaped link.
+
+Methods with ``-noef`` and the ``charlm-small`` workload run on the first link only:
+they are about convergence, and losses do not depend on the link (runs are
+deterministic given the seed).
+
+Example::
+
+    python experiments/compare.py --quick --out results/
+    python experiments/compare.py --links unshaped,1gbit,100mbit --methods noop,dense,topk --workloads digits
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import netem  # noqa: E402
+
+TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+TIMING_METHODS = ("noop", "dense", "fp16", "powersgd", "topk", "twobit")
+ALL_METHODS = TIMING_METHODS + ("topk-noef", "twobit-noef")
+DEFAULT_LINKS = ("unshaped", "1gbit")
+WARMUP_SKIP = 5  # steps left out of medians (capped at half the run)
+RECORD_FIELDS = (
+    "workload", "method", "link", "link_requested", "shaped", "link_fallback", "status",
+    "steps", "step_time_s", "step_time_over_floor", "compute_s", "compress_s", "comm_s",
+    "bytes_per_step", "dense_bytes_per_step", "compression_ratio", "wire_bytes_per_step",
+    "final_loss", "final_train_loss", "accuracy", "train_time_s", "twobit_threshold",
+    "params", "nproc", "threads", "wall_s", "load_avg_1m", "log",
+)  # fmt: skip
+
+
+@dataclass
+class WorkloadPlan:
+    """One workload of a comparison: which ``train.py`` arguments, how long, which methods."""
+
+    name: str
+    train_args: List[str]
+    steps: int
+    methods: Sequence[str]
+    first_link_only: bool = False
+    eval_every: int = 0
+    seconds_per_step: float = 2.0  # generous bound, for the run's timeout
+
+
+def plans_for(mode: str) -> Dict[str, WorkloadPlan]:
+    """The workloads of ``mode`` (``tiny``, ``quick``, ``full``), by name."""
+    if mode == "tiny":
+        tiny_lm = ["--workload", "charlm", "--small", "--d-model", "32", "--layers", "1", "--heads", "2",
+                   "--context", "16", "--eval-windows", "8"]  # fmt: skip
+        return {
+            "charlm-tiny": WorkloadPlan("charlm-tiny", tiny_lm, 4, ("noop", "dense", "topk"), eval_every=2),
+            "digits": WorkloadPlan("digits", ["--workload", "digits"], 4, ("noop", "dense", "topk"), eval_every=2),
+        }
+    long = mode == "full"
+    return {
+        "charlm": WorkloadPlan(
+            "charlm", ["--workload", "charlm"], 300 if long else 15,
+            ALL_METHODS if long else TIMING_METHODS, eval_every=30 if long else 0, seconds_per_step=15.0,
+        ),
+        "charlm-small": WorkloadPlan(
+            "charlm-small", ["--workload", "charlm", "--small", "--eval-windows", "256"], 1000 if long else 200,
+            ALL_METHODS, first_link_only=True, eval_every=100 if long else 20, seconds_per_step=2.0,
+        ),
+        "digits": WorkloadPlan(
+            "digits", ["--workload", "digits"], 1000 if long else 200, ALL_METHODS,
+            eval_every=100 if long else 20, seconds_per_step=1.0,
+        ),
+    }  # fmt: skip
+
+
+@dataclass
+class Run:
+    plan: WorkloadPlan
+    method: str
+    rate: Optional[str]  # tc rate, or None for the unshaped loopback
+    steps: int
+    log: str = ""
+    record: dict = field(default_factory=dict)
+
+    @property
+    def link_name(self) -> str:
+        return self.rate or netem.UNSHAPED
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_const", dest="mode", const="quick", help="the default; ~12 minutes")
+    mode.add_argument("--full", action="store_const", dest="mode", const="full", help="longer runs; hours")
+    mode.add_argument("--tiny", action="store_const", dest="mode", const="tiny", help="a smoke test; ~1 minute")
+    parser.add_argument("--out", default="results", help="output directory (default results/)")
+    parser.add_argument("--links", help=f"comma-separated tc rates or 'unshaped' (default {','.join(DEFAULT_LINKS)}; tiny: unshaped)")
+    parser.add_argument("--methods", help=f"comma-separated subset of {','.join(ALL_METHODS)} (noop, the floor, is always run)")
+    parser.add_argument("--workloads", help="comma-separated subset of the mode's workloads")
+    parser.add_argument("--steps", type=int, help="steps for every run (overrides the mode)")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ratio", type=float, default=0.01, help="top-k ratio (default 0.01)")
+    parser.add_argument("--run-timeout", type=float, help="seconds per run (default: from steps and workload)")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    args.mode = args.mode or "quick"
+    plans = plans_for(args.mode)
+    if args.workloads:
+        names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        unknown = [w for w in names if w not in plans]
+        if unknown:
+            parser.error(f"unknown workloads {unknown} for --{args.mode}; choose from {sorted(plans)}")
+        plans = {name: plans[name] for name in names}
+    args.plans = plans
+    if args.methods:
+        args.method_filter = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in args.method_filter if m not in ALL_METHODS]
+        if unknown:
+            parser.error(f"unknown methods {unknown}; choose from {ALL_METHODS}")
+    else:
+        args.method_filter = None
+    links = args.links.split(",") if args.links else (["unshaped"] if args.mode == "tiny" else list(DEFAULT_LINKS))
+    try:
+        args.rates = list(dict.fromkeys(netem.parse_rate(link) for link in links))
+    except ValueError as error:
+        parser.error(str(error))
+    if args.steps is not None and args.steps < 2:
+        parser.error("--steps must be >= 2")
+    return args
+
+
+def plan_runs(args) -> List[Run]:
+    """All runs, ordered so that each (workload, link) starts with its ``noop`` floor."""
+    runs = []
+    for plan in args.plans.values():
+        methods = [m for m in plan.methods if args.method_filter is None or m in args.method_filter]
+        if methods and "noop" not in methods:
+            methods = ["noop", *methods]  # the floor that step_time_over_floor divides by
+        for index, rate in enumerate(args.rates):
+            for method in methods:
+                if index > 0 and (plan.first_link_only or method.endswith("-noef")):
+                    continue
+                runs.append(Run(plan, method, rate, args.steps or plan.steps))
+    return runs
+
+
+def resolve_links(args) -> None:
+    """When shaping is impossible here, say so once, loudly, and drop shaped links that
+    would only repeat the unshaped runs (a lone shaped link runs unshaped, flagged)."""
+    reason = netem.shaping_unavailable_reason()
+    shaped = [rate for rate in args.rates if rate is not None]
+    if reason is None or not shaped:
+        return
+    netem.warn_unshaped(",".join(shaped), reason)
+    if None in args.rates:
+        args.rates = [None]
+    else:
+        args.rates = [shaped[0]]  # netem.link falls back and flags the records
+
+
+def _timeout_for(run: Run, args) -> float:
+    if args.run_timeout:
+        return args.run_timeout
+    return 180.0 + run.steps * run.plan.seconds_per_step
+
+
+def execute(run: Run, args, runs_dir: str) -> dict:
+    """Run one ``train.py`` over its link; return its record (without floor-relative fields)."""
+    stem = f"{run.plan.name}__{run.link_name}__{run.method}"
+    run.log = os.path.join(runs_dir, stem + ".jsonl")
+    timeout = _timeout_for(run, args)
+    command = [
+        sys.executable, TRAIN_PY, *run.plan.train_args,
+        "--compressor", run.method, "--ratio", str(args.ratio), "--steps", str(run.steps),
+        "--seed", str(args.seed), "--nproc", str(args.nproc), "--threads", str(args.threads),
+        "--eval-every", str(run.plan.eval_every if run.steps > run.plan.eval_every else 0),
+        "--log", run.log, "--no-progress", "--max-time", str(timeout - 15), "--timeout", "300",
+    ]  # fmt: skip
+    if os.path.exists(run.log):
+        os.remove(run.log)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    started = time.monotonic()
+    with netem.link(run.rate) as link, open(os.path.join(runs_dir, stem + ".out"), "w") as output:
+        env = link.env()
+        env["PYTHONUNBUFFERED"] = "1"
+        status = netem.run_bounded(link.command(command), timeout=timeout, env=env, stdout=output, stderr=subprocess.STDOUT)
+        link_fields = link.record()
+    wall = time.monotonic() - started
+    record = summarize_log(run.log)
+    record.update(link_fields)
+    record.update(
+        workload=run.plan.name,
+        method=run.method,
+        steps=run.steps,
+        nproc=args.nproc,
+        threads=args.threads,
+        status="ok" if status == 0 else ("timeout" if status == 124 else f"failed ({status})"),
+        wall_s=round(wall, 1),
+        load_avg_1m=load,
+        log=os.path.relpath(run.log, os.path.dirname(runs_dir)),
+    )
+    return record
+
+
+def read_log(path: str) -> List[dict]:
+    """The records of a ``train.py`` log (missing or truncated files give what is there)."""
+    records = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+    except FileNotFoundError:
+        pass
+    return records
+
+
+def _median(values: List[float]) -> Optional[float]:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(values) if values else None
+
+
+def summarize_log(path: str) -> dict:
+    """Medians over the steps after warm-up, the final evaluation, and run metadata."""
+    records = read_log(path)
+    steps = [r for r in records if r.get("event") == "step"]
+    evals = [r for r in records if r.get("event") == "eval"]
+    config = next((r for r in records if r.get("event") == "config"), {})
+    summary = next((r for r in records if r.get("event") == "summary"), {})
+    skip = min(WARMUP_SKIP, len(steps) // 2)
+    timed = steps[skip:]
+    out = {
+        "params": config.get("params"),
+        "step_time_s": _median([s["step_time_s"] for s in timed]),
+        "compress_s": _median([s.get("compress_s", 0.0) for s in timed]),
+        "bytes_per_step": _median([s.get("bytes_sent") for s in timed]),
+        "dense_bytes_per_step": _median([s.get("dense_bytes") for s in timed]),
+        "wire_bytes_per_step": _median([s.get("wire_bytes") for s in timed]),
+        "train_time_s": steps[-1]["train_time_s"] if steps else None,
+        "final_train_loss": summary.get("final_train_loss"),
+        "final_loss": evals[-1]["eval_loss"] if evals else None,
+        "accuracy": evals[-1].get("accuracy") if evals else None,
+        "twobit_threshold": summary.get("twobit_threshold"),
+    }
+    sent, dense = out["bytes_per_step"], out["dense_bytes_per_step"]
+    out["compression_ratio"] = dense / sent if sent and dense else None
+    return out
+
+
+def link_key(record: dict) -> str:
+    """How a record's link is shown: its label, or ``unshaped (asked 1gbit)`` on fallback."""
+    if record.get("link_fallback"):
+        return f"unshaped (asked {record.get('link_requested')})"
+    return record["link"]
+
+
+def add_floor_fields(records: List[dict]) -> None:
+    """``compute_s``, ``comm_s`` and ``step_time_over_floor`` from each group's noop run."""
+    floors = {
+        (r["workload"], link_key(r)): r["step_time_s"]
+        for r in records
+        if r["method"] == "noop" and r.get("step_time_s") and r["status"] == "ok"
+    }
+    for r in records:
+        floor = floors.get((r["workload"], link_key(r)))
+        step, compress = r.get("step_time_s"), r.get("compress_s") or 0.0
+        if floor and step:
+            r["compute_s"] = floor if r["method"] != "noop" else step
+            r["step_time_over_floor"] = step / floor
+            r["comm_s"] = max(0.0, step - floor - compress) if r["method"] != "noop" else 0.0
+        else:
+            r["compute_s"] = r["comm_s"] = r["step_time_over_floor"] = None
+
+
+def _fmt(value, digits=3, scale=1.0, suffix=""):
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    return f"{value * scale:.{digits}f}{suffix}"
+
+
+def markdown_table(records: List[dict]) -> str:
+    header = (
+        "| workload | link | method | step time (s) | × noop floor | compute (s) | compress (s) | comm (s) "
+        "| sent MB/step | ratio | wire MB/step | held-out loss | accuracy | status |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in records:
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["workload"],
+                    link_key(r),
+                    r["method"],
+                    _fmt(r.get("step_time_s")),
+                    _fmt(r.get("step_time_over_floor"), 2, suffix="×"),
+                    _fmt(r.get("compute_s")),
+                    _fmt(r.get("compress_s"), 4),
+                    _fmt(r.get("comm_s")),
+                    _fmt(r.get("bytes_per_step"), 3, 1e-6),
+                    _fmt(r.get("compression_ratio"), 1, suffix="×"),
+                    _fmt(r.get("wire_bytes_per_step"), 3, 1e-6),
+                    _fmt(r.get("final_loss")),
+                    _fmt(r.get("accuracy"), 3),
+                    r["status"],
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def write_results(out: str, records: List[dict], meta: dict) -> str:
+    """``summary.json``, ``summary.csv``, ``meta.json`` and ``results.md``; returns the table."""
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(RECORD_FIELDS), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(records)
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    table = markdown_table(records)
+    fallback = [r for r in records if r.get("link_fallback")]
+    notes = [
+        f"# gradcomp comparison ({meta['mode']})",
+        "",
+        f"{meta['started']} · {meta['host']} · {meta['cpus']} CPUs · torch {meta['torch']} · "
+        f"{meta['nproc']} ranks × {meta['threads']} thread(s) · Gloo · load average {meta['load_before']} before, "
+        f"{meta['load_after']} after · {meta['wall_s']:.0f} s",
+        "",
+    ]
+    if fallback:
+        notes += [
+            "> **WARNING: link shaping was not available; runs asked for a shaped link ran on the UNSHAPED "
+            f"loopback** ({fallback[0].get('link_fallback_reason')}). Their step times do not reflect that link.",
+            "",
+        ]
+    notes += [
+        table,
+        "",
+        "* **step time**: median wall time of forward + backward (including the completed collectives) + "
+        f"optimizer step on rank 0, over the steps after the first {WARMUP_SKIP} (capped at half the run).",
+        "* **× noop floor**: ÷ the step time of torch's `noop_hook` (no communication) on the same workload and link.",
+        "* **compute** = the noop step time; **compress** = time inside the compression hook on the training thread "
+        "(gradcomp: its own timer; fp16/PowerSGD: the hook's synchronous part, so PowerSGD's matmuls in its "
+        "callbacks count as comm); **comm** = step − compute − compress (exposed communication, decompression, waiting).",
+        "* **sent MB/step**: bytes each rank hands to collectives per step; with 2 ranks equal to its bytes on the wire. "
+        "**wire MB/step**: measured on the namespace loopback (shaped links only), per rank.",
+        "* **links**: a tbf-shaped loopback in a private network namespace; both ranks share it, so the rate is the "
+        "aggregate of both directions (a shared medium, harsher than full-duplex NICs of that rate).",
+        "* **held-out loss**: charlm: nats per byte on held-out stdlib files; digits: test cross-entropy. The noop "
+        "run does not average gradients, so its loss is not a data-parallel result.",
+        "* 2-bit threshold: 4 × the RMS of the averaged gradient after the dense warm-up (see train.py).",
+    ]
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("\n".join(notes) + "\n")
+    return table
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    resolve_links(args)
+    runs = plan_runs(args)
+    if not runs:
+        print("compare.py: nothing to run (check --methods/--workloads)", file=sys.stderr)
+        return 2
+    out = os.path.abspath(args.out)
+    runs_dir = os.path.join(out, "runs")
+    os.makedirs(runs_dir, exist_ok=True)
+    import torch  # only for the version in the metadata; runs import it themselves
+
+    meta = {
+        "mode": args.mode,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "nproc": args.nproc,
+        "threads": args.threads,
+        "links": [r or netem.UNSHAPED for r in args.rates],
+        "runs": len(runs),
+        "load_before": round(os.getloadavg()[0], 2),
+        "command": " ".join(sys.argv),
+    }
+    print(f"compare.py: {len(runs)} runs ({args.mode}) -> {out}", flush=True)
+    started = time.monotonic()
+    records = []
+    for index, run in enumerate(runs, 1):
+        print(f"[{index}/{len(runs)}] {run.plan.name:13s} {run.link_name:9s} {run.method:12s} {run.steps:5d} steps ...", end=" ", flush=True)
+        record = execute(run, args, runs_dir)
+        records.append(record)
+        print(
+            f"{record['status']} in {record['wall_s']:.0f}s: step {_fmt(record.get('step_time_s'))} s, "
+            f"held-out loss {_fmt(record.get('final_loss'))}" + (" [link fallback: unshaped]" if record.get("link_fallback") else ""),
+            flush=True,
+        )
+    add_floor_fields(records)
+    meta["wall_s"] = time.monotonic() - started
+    meta["load_after"] = round(os.getloadavg()[0], 2)
+    table = write_results(out, records, meta)
+    if not args.no_plots:
+        import plots
+
+        for path in plots.make_plots(records, out):
+            print(f"plot: {os.path.relpath(path)}")
+    print()
+    print(table)
+    failed = [r for r in records if r["status"] != "ok"]
+    if failed:
+        print(f"\ncompare.py: {len(failed)} run(s) did not finish; see {runs_dir}/*.out", file=sys.stderr)
+    fallback = [r for r in records if r.get("link_fallback")]
+    if fallback:
+        netem.warn_unshaped(",".join(sorted({r["link_requested"] for r in fallback})), fallback[0]["link_fallback_reason"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Smoke tests of the experiments: the DDP runner, the comparison and link emulation.
+
+They run real 2-rank Gloo jobs over the loopback for a few steps (about a minute in
+all); timings are never asserted here.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+
+import compare  # noqa: E402
+import netem  # noqa: E402
+
+TRAIN = EXPERIMENTS / "train.py"
+COMPARE = EXPERIMENTS / "compare.py"
+TINY_CHARLM = ["--workload", "charlm", "--small", "--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16",
+               "--eval-windows", "8"]  # fmt: skip
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _env():
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_train(tmp_path, *args):
+    log = tmp_path / "log.jsonl"
+    result = subprocess.run(
+        [sys.executable, str(TRAIN), *args, "--log", str(log), "--no-progress", "--max-time", "150", "--timeout", "60"],
+        capture_output=True, text=True, timeout=200, env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    by_event = {}
+    for record in records:
+        by_event.setdefault(record["event"], []).append(record)
+    return by_event
+
+
+def _check_compressed_bytes(steps, method):
+    for step in steps:
+        if method == "dense" or step["step"] < 2:  # 2 dense warm-up steps
+            assert step["bytes_sent"] == step["dense_bytes"]
+        else:
+            assert step["bytes_sent"] < step["dense_bytes"] / 10
+
+
+@pytest.mark.parametrize("method", ["dense", "topk"])
+def test_train_charlm_tiny(tmp_path, method):
+    events = run_train(tmp_path, *TINY_CHARLM, "--compressor", method, "--steps", "6", "--lr", "3e-3")
+    (config,) = events["config"]
+    assert config["world_size"] == 2 and config["model"]["d_model"] == 32
+    steps = events["step"]
+    assert [s["step"] for s in steps] == list(range(6))
+    losses = [s["loss"] for s in steps]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-2:]) / 2 < losses[0], losses
+    assert all(s["step_time_s"] > 0 for s in steps)
+    _check_compressed_bytes(steps, method)
+    assert math.isfinite(events["eval"][-1]["eval_loss"])
+    assert events["summary"][0]["method"] == method
+
+
+@pytest.mark.parametrize("method", ["dense", "topk", "twobit"])
+def test_train_digits(tmp_path, method):
+    events = run_train(tmp_path, "--workload", "digits", "--compressor", method, "--steps", "24", "--lr", "3e-3")
+    losses = [s["loss"] for s in events["step"]]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-6:]) / 6 < sum(losses[:6]) / 6, losses
+    _check_compressed_bytes(events["step"], method)
+    final = events["eval"][-1]
+    assert 0.0 <= final["accuracy"] <= 1.0 and math.isfinite(final["eval_loss"])
+    if method == "twobit":  # the automatic threshold is chosen after the dense warm-up
+        (threshold,) = events["threshold"]
+        assert threshold["step"] == 1 and 0 < threshold["threshold"] < 1
+
+
+def test_compare_tiny_writes_results_and_plots(tmp_path):
+    out = tmp_path / "results"
+    result = subprocess.run(
+        [sys.executable, str(COMPARE), "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=300, env=_env()
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = json.loads((out / "summary.json").read_text())
+    assert isinstance(records, list) and records
+    required = {"workload", "method", "link", "step_time_s", "step_time_over_floor", "final_loss", "bytes_per_step",
+                "compute_s", "compress_s", "comm_s", "link_fallback"}  # fmt: skip
+    for record in records:
+        assert required <= set(record), required - set(record)
+        assert record["status"] == "ok" and record["link"] == "unshaped" and record["link_fallback"] is False
+        assert record["step_time_s"] > 0 and math.isfinite(record["final_loss"])
+    assert {r["workload"] for r in records} == {"charlm-tiny", "digits"}
+    assert {r["method"] for r in records} == {"noop", "dense", "topk"}
+    for record in records:
+        if record["method"] == "noop":
+            assert record["step_time_over_floor"] == pytest.approx(1.0) and record["bytes_per_step"] == 0
+        if record["method"] == "topk":
+            assert record["compression_ratio"] > 10
+    digits = [r for r in records if r["workload"] == "digits"]
+    assert all(0 <= r["accuracy"] <= 1 for r in digits)
+    assert (out / "summary.csv").read_text().startswith("workload,method,link")
+    assert "| workload | link | method |" in (out / "results.md").read_text()
+    assert "| workload | link | method |" in result.stdout  # the table is printed at the end
+    pngs = sorted(out.glob("*.png"))
+    assert len(pngs) == 8, pngs  # 4 plots x 2 workloads
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for png in pngs:
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        height, width = plt.imread(png).shape[:2]
+        assert height > 200 and width > 200
+
+
+def test_plan_runs_puts_noop_first_and_noef_on_the_first_link_only():
+    args = compare.parse_args(["--quick", "--links", "unshaped,1gbit"])
+    runs = compare.plan_runs(args)
+    keys = [(r.plan.name, r.link_name, r.method) for r in runs]
+    assert len(keys) == len(set(keys))
+    assert {m for _, link, m in keys if link == "1gbit"} == set(compare.TIMING_METHODS)
+    assert not any(w == "charlm-small" for w, link, _ in keys if link == "1gbit")
+    for workload, link in {(w, link) for w, link, _ in keys}:
+        group = [m for w, lk, m in keys if (w, lk) == (workload, link)]
+        assert group[0] == "noop"
+    only_dense = compare.plan_runs(compare.parse_args(["--tiny", "--methods", "dense", "--workloads", "digits"]))
+    assert [r.method for r in only_dense] == ["noop", "dense"]
+
+
+def test_floor_fields_split_the_step_time():
+    records = [
+        {"workload": "w", "link": "1gbit", "method": "noop", "status": "ok", "step_time_s": 1.0, "compress_s": 0.0},
+        {"workload": "w", "link": "1gbit", "method": "topk", "status": "ok", "step_time_s": 1.5, "compress_s": 0.2},
+        {"workload": "w", "link": "unshaped", "method": "dense", "status": "ok", "step_time_s": 2.0, "compress_s": 0.0},
+    ]
+    compare.add_floor_fields(records)
+    noop, topk, no_floor = records
+    assert noop["step_time_over_floor"] == 1.0 and noop["comm_s"] == 0.0
+    assert topk["compute_s"] == 1.0 and topk["step_time_over_floor"] == 1.5
+    assert topk["comm_s"] == pytest.approx(0.3)
+    assert no_floor["step_time_over_floor"] is None  # no noop run on that link
+
+
+def test_rates_are_validated():
+    assert netem.parse_rate("1gbit") == "1gbit"
+    assert netem.parse_rate("100MBit") == "100mbit"
+    for unshaped in (None, "", "unshaped", "none"):
+        assert netem.parse_rate(unshaped) is None
+    for bad in ("1gb", "fast", "1gbit; reboot", "-5mbit"):
+        with pytest.raises(ValueError):
+            netem.parse_rate(bad)
+
+
+def test_unshaped_link_runs_commands_unchanged():
+    with netem.link("unshaped") as link:
+        assert not link.shaped and not link.fallback and link.label == "unshaped"
+        assert link.command(["python", "x.py"]) == ["python", "x.py"]
+        env = link.env({"GRADCOMP_NETNS": "stale"})
+        assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["MASTER_ADDR"] == "127.0.0.1"
+        assert "GRADCOMP_NETNS" not in env
+        assert link.record()["link"] == "unshaped" and link.record()["link_fallback"] is False
+
+
+def test_shaping_falls_back_loudly_without_root(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    before = netem.list_namespaces()
+    with netem.link("1gbit") as link:
+        assert not link.shaped and link.fallback and link.label == "unshaped"
+        assert link.command(["true"]) == ["true"]
+        record = link.record()
+        assert record["link"] == "unshaped" and record["link_fallback"] is True and record["link_requested"] == "1gbit"
+    assert "UNSHAPED" in capsys.readouterr().err
+    assert netem.list_namespaces() == before
+
+
+needs_root = pytest.mark.skipif(
+    netem.shaping_unavailable_reason() is not None, reason=f"link shaping unavailable: {netem.shaping_unavailable_reason()}"
+)
+
+
+@needs_root
+def test_shaped_namespace_is_created_and_always_removed():
+    with pytest.raises(RuntimeError, match="inside"):
+        with netem.link("200mbit") as link:
+            if link.fallback:
+                pytest.skip(f"ip netns failed here: {link.fallback_reason}")
+            name = link.namespace
+            assert link.shaped and link.label == "200mbit" and name.startswith(netem.PREFIX + "-")
+            assert name in netem.list_namespaces()
+            qdisc = subprocess.run(link.command(["tc", "qdisc", "show", "dev", "lo"]), capture_output=True, text=True, timeout=20)
+            assert "tbf" in qdisc.stdout and "200Mbit" in qdisc.stdout
+            # Shaping is in effect: one TCP stream gets at most the rate (generous lower
+            # bound: the machine may be busy).
+            assert 0.05 < netem.measure_gbit_s(link, nbytes=4 << 20) < 0.23
+            raise RuntimeError("an error inside the with block")
+    assert name not in netem.list_namespaces()
+
+
+@needs_root
+def test_stale_namespaces_of_dead_processes_are_cleaned():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    stale = f"{netem.PREFIX}-{dead.pid}-abc123"
+    subprocess.run(["ip", "netns", "add", stale], check=True, timeout=20)
+    try:
+        assert stale in netem.clean_stale()
+        assert stale not in netem.list_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True, timeout=20)
