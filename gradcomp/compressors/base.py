@@ -63,6 +63,17 @@ class Compressor:
         """``out += decompress(payload)``; ``out`` is float32 ``[n]`` and is mutated."""
         raise NotImplementedError
 
+    def check_payload(self, payload: Payload, numel: int) -> None:
+        """Raise ``ValueError`` with the reason unless ``payload`` is well formed for ``[numel]``.
+
+        Reads the payload, writes nothing. The default checks the layout (segments, dtypes,
+        sizes) and the buffer size; compressors whose payload carries indices or codes also
+        check their contents. Called through :func:`gradcomp.validation.validate_payload`.
+        """
+        from gradcomp.validation import check_layout
+
+        check_layout(self, payload, numel)
+
     def decompress(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         """Write ``decompress(payload)`` into ``out`` (any float dtype, ``[n]``) and return it."""
         if out.dtype == torch.float32:

@@ -1,0 +1,123 @@
+"""Validation of payloads received from other ranks, before anything is written.
+
+A payload is untrusted input from another process: a peer with other settings, a bug, a
+flipped bit or an attacker may send anything. Decoding writes into the bucket (and, via the
+average, into every parameter), so every received payload is checked **before** the first
+write, and a bad one raises :class:`PayloadError` naming the rank that sent it.
+
+What is checked, in one place for every backend and both integrations:
+
+* the layout: the payload's segments are exactly those the compressor produces for
+  ``numel`` elements (segment names, dtypes, element counts, offsets), and the buffer is a
+  1-D uint8 tensor of exactly ``layout.nbytes`` bytes;
+* what the compressor adds in :meth:`~gradcomp.compressors.base.Compressor.check_payload`:
+  top-k indices lie in ``[0, n)`` and strictly increase (which also excludes duplicates), in
+  O(k); 2-bit codes leave the unused bits of their last word zero.
+
+Values are not checked: a non-finite value is a legitimate payload (a rank whose gradient
+overflowed), and the engine's finite check handles it by skipping the step on every rank.
+
+The kernels bound-check too (defence in depth: they never write outside ``[0, n)``), but only
+this module gives an error that names the sender before the bucket is touched.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from gradcomp.payload import Payload, PayloadLayout
+
+__all__ = ["PayloadError", "validate_payload", "validate_gathered", "check_layout"]
+
+#: Gradient dtypes a payload may have been built from (the compressors' ``FLOAT_DTYPES``).
+_GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class PayloadError(ValueError):
+    """A payload received from another rank is malformed; nothing was written.
+
+    Attributes:
+        rank: the rank that sent the payload (``None`` when not known).
+        reason: what was wrong, in words.
+    """
+
+    def __init__(self, reason: str, rank: Optional[int] = None):
+        self.rank = rank
+        self.reason = reason
+        sender = f"rank {rank}" if rank is not None else "a peer"
+        super().__init__(f"gradcomp: rejected the payload sent by {sender}: {reason}")
+
+    def __reduce__(self):  # keep rank and reason across pickling (futures, multiprocessing)
+        return (type(self), (self.reason, self.rank))
+
+
+def check_layout(compressor, payload: Payload, numel: int) -> torch.dtype:
+    """Check that ``payload`` has exactly the layout ``compressor`` produces for ``numel``.
+
+    Returns the gradient dtype the layout was built for. Raises ``ValueError`` with the reason.
+    """
+    if not isinstance(payload, Payload):
+        raise ValueError(f"expected a gradcomp Payload, got {type(payload).__name__}")
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    buffer = payload.buffer
+    layout = payload.layout
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != layout.nbytes:
+        raise ValueError(
+            f"buffer must be 1-D uint8 of {layout.nbytes} bytes, got {buffer.dtype} of shape {tuple(buffer.shape)}"
+        )
+    for dtype in _GRADIENT_DTYPES:
+        expected = compressor.layout(numel, dtype)
+        if expected == layout:
+            return dtype
+    expected = compressor.layout(numel, torch.float32)
+    raise ValueError(
+        f"layout does not match {compressor!r} for numel={numel}: expected {expected} "
+        f"(values in the gradient's dtype), got {layout}"
+    )
+
+
+def validate_payload(compressor, payload: Payload, numel: int, rank: Optional[int] = None) -> None:
+    """Raise :class:`PayloadError` unless ``payload`` is a well-formed payload of ``compressor``
+    for a ``[numel]`` tensor. Reads the payload, writes nothing.
+
+    Dispatches to ``compressor.check_payload(payload, numel)``, which raises ``ValueError``
+    with the reason; the reason is re-raised with ``rank`` attached.
+    """
+    try:
+        compressor.check_payload(payload, numel)
+    except PayloadError as error:
+        if error.rank is None and rank is not None:
+            raise PayloadError(error.reason, rank) from error
+        raise
+    except ValueError as error:
+        raise PayloadError(str(error), rank) from error
+
+
+def validate_gathered(compressor, layout: PayloadLayout, gathered: torch.Tensor, numel: int) -> None:
+    """Check every rank's payload in an allgathered buffer before any of them is decoded.
+
+    Args:
+        compressor: the compressor every rank is expected to have used.
+        layout: the layout of one rank's payload (``compressor.layout(numel, dtype)``).
+        gathered: uint8 ``[P * layout.nbytes]``; rank ``r``'s payload is bytes
+            ``[r * nbytes, (r + 1) * nbytes)``. Not mutated.
+        numel: the element count of the tensor the payloads decode into.
+    Raises:
+        PayloadError: naming the first bad rank (``rank=None`` when the gathered buffer
+        itself has the wrong size or dtype) and what was wrong.
+    """
+    if not isinstance(gathered, torch.Tensor) or gathered.dtype != torch.uint8 or gathered.dim() != 1:
+        what = f"{gathered.dtype} of shape {tuple(gathered.shape)}" if isinstance(gathered, torch.Tensor) else type(
+            gathered
+        ).__name__
+        raise PayloadError(f"the gathered payloads must be a 1-D uint8 tensor, got {what}")
+    nbytes = layout.nbytes
+    if gathered.numel() == 0 or gathered.numel() % nbytes:
+        raise PayloadError(
+            f"the gathered buffer has {gathered.numel()} bytes, not a positive multiple of one payload's {nbytes}"
+        )
+    for rank in range(gathered.numel() // nbytes):
+        payload = Payload(layout, gathered[rank * nbytes : (rank + 1) * nbytes])
+        validate_payload(compressor, payload, numel, rank)
