@@ -1,7 +1,23 @@
-"""Compressors: stateless, communication-free, one flat tensor in, one payload out."""
+"""Compressors: stateless, communication-free, one flat tensor in, one payload out.
+
+Each compressor is also reachable by name through one registry
+(:mod:`gradcomp.compressors.registry`): ``from_spec("topk:0.01")``, ``"twobit:0.5"``,
+``"twobit:rms"``, ``"fp16"``, ``"bf16"``, ``"identity"``; ``compressor.spec`` gives the
+string back.
+"""
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.casts import BF16, FP16, Cast, Identity
+from gradcomp.compressors.registry import from_spec, register, registered, spec_of
 from gradcomp.compressors.topk import TopK
 from gradcomp.compressors.twobit import TwoBit
 
-__all__ = ["Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "Cast", "check_gradient"]
+# The casts take no settings. Registering an already registered class under the same
+# name is a no-op, so these lines stay correct once casts.py decorates the classes itself.
+register("identity")(Identity)
+register("fp16")(FP16)
+register("bf16")(BF16)
+
+__all__ = [
+    "Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "Cast", "check_gradient",
+    "from_spec", "register", "registered", "spec_of",
+]  # fmt: skip
