@@ -28,7 +28,9 @@ from hypothesis import strategies as st
 numba = pytest.importorskip("numba")
 
 from gradcomp.backends import KERNELS, OPS, is_available  # noqa: E402
-from gradcomp.backends import numba_ops, torch_ops  # noqa: E402,F401  (registers both backends)
+from gradcomp.backends import torch_ops  # noqa: E402,F401  (registers the reference)
+from gradcomp.backends.numba import ops as numba_ops  # noqa: E402,F401  (registers the numba ops)
+from gradcomp.backends.numba import topk as numba_topk  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 THRESHOLD = 0.5
@@ -238,7 +240,7 @@ def test_topk_matches_reference_on_several_chunks(n, specials):
 def many_chunks(monkeypatch):
     """Chunks of ~64 elements, so small inputs span dozens of chunks (and ties straddle
     chunk boundaries)."""
-    monkeypatch.setattr(numba_ops, "_MIN_CHUNK", 64)
+    monkeypatch.setattr(numba_topk, "MIN_CHUNK", 64)
 
 
 @pytest.mark.parametrize("values_kind", ["gaussian", "all_equal", "few_levels", "zeros_and_negative_zeros"])
@@ -253,7 +255,7 @@ def test_topk_ties_go_to_the_lower_index(many_chunks, values_kind):
         grad = torch.randint(-3, 4, (n,), generator=generator).float() / 4
     else:
         grad = torch.where(torch.rand(n, generator=generator) < 0.5, 0.0, -0.0)
-    assert numba_ops._chunks(n) > 40
+    assert numba_topk.chunk_count(n) > 40
     for k in (1, 2, 17, 999, 2500, n - 1, n):
         check_topk(grad, None, torch.empty(n), k)
         check_topk(grad.to(torch.bfloat16), grad.clone(), None, k)
@@ -380,7 +382,7 @@ _THREADS_SCRIPT = textwrap.dedent(
     """
     import numba, torch
     from gradcomp.backends import KERNELS
-    import gradcomp.backends.numba_ops
+    import gradcomp.backends.numba
 
     def run(threads):
         numba.set_num_threads(threads)
@@ -418,7 +420,8 @@ def test_results_do_not_depend_on_the_thread_count():
 
 _CONCURRENT_SCRIPT = r"""
 import threading, torch
-from gradcomp.backends import numba_ops, torch_ops
+from gradcomp.backends import torch_ops
+from gradcomp.backends.numba import ops as numba_ops
 errors = []
 def work(seed):
     gen = torch.Generator().manual_seed(seed)

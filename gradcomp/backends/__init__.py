@@ -47,7 +47,9 @@ selected indices are written in ascending order (int32, or int64 when ``n >= 2**
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import threading
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -60,7 +62,7 @@ ENV_VAR = "GRADCOMP_BACKEND"
 # ``import gradcomp`` never needs numba or cupy.
 _BACKEND_MODULES = {
     "torch": "gradcomp.backends.torch_ops",
-    "numba": "gradcomp.backends.numba_ops",
+    "numba": "gradcomp.backends.numba",
     "cuda": "gradcomp.backends.cuda_ops",
 }
 _INSTALL_HINT = {
@@ -70,6 +72,23 @@ _INSTALL_HINT = {
 
 KERNELS: Dict[Tuple[str, str], Callable] = {}
 _import_errors: Dict[str, BaseException] = {}
+
+logger = logging.getLogger(__name__)
+# (device type, backend) pairs already logged: resolution runs on every op, the log line
+# once per pair.
+_logged_choices = set()
+_logged_lock = threading.Lock()
+
+
+def _log_choice(device: torch.device, backend: str, how: str) -> None:
+    key = (device.type, backend)
+    if key in _logged_choices:
+        return
+    with _logged_lock:
+        if key in _logged_choices:
+            return
+        _logged_choices.add(key)
+    logger.info("gradcomp kernels for %s tensors: backend %r (%s)", device.type, backend, how)
 
 
 def register(op: str, backend: str) -> Callable[[Callable], Callable]:
@@ -133,11 +152,14 @@ def resolve_backend(device, backend: Optional[str] = None) -> str:
                 f"backend {requested!r} was requested but cannot be imported "
                 f"({_import_errors[requested]}). Install it with: {_INSTALL_HINT[requested]}"
             )
+        _log_choice(device, requested, "requested" if backend else f"${ENV_VAR}")
         return requested
     preferred = "cuda" if device.type == "cuda" else "numba" if device.type == "cpu" else "torch"
     if _load(preferred):
+        _log_choice(device, preferred, "automatic")
         return preferred
     _load("torch")
+    _log_choice(device, "torch", f"automatic; {preferred!r} is not available: {_import_errors.get(preferred)}")
     return "torch"
 
 

@@ -1,0 +1,35 @@
+"""The ``numba`` backend: CPU kernels compiled by Numba, the fast path for CPU tensors.
+
+Contracts are in :mod:`gradcomp.backends`; these kernels are tested bit for bit against
+:mod:`gradcomp.backends.torch_ops`. Every parallel kernel is ``@njit(parallel=True,
+cache=True)`` and uses the threads Numba is allowed (``numba.set_num_threads``); this
+package never changes that, so a launcher that pins one thread per rank keeps control.
+
+The modules mirror ``csrc/``:
+
+==================  ====================================================================
+module              what lives there
+==================  ====================================================================
+``common``          bit casts, half-precision conversions, typed loads/stores, residual
+                    target (``csrc/gradcomp_common.cuh``)
+``twobit``          the fused 2-bit kernels (``csrc/twobit.cu``)
+``topk``            the exact radix-select top-k and its workspace (``csrc/topk.cu``)
+``concurrency``     the lock every op runs under, and why (Python threads, threading layer)
+``ops``             the registered ops: argument checks, tensors to NumPy views
+==================  ====================================================================
+
+Importing this package registers the ops (:mod:`gradcomp.backends` does so on first use).
+
+Numba's on-disk cache (``cache=True``) is invalidated by a change to the file that holds
+the cached function, not to the files of the functions it calls: after editing
+``common.py``, delete ``__pycache__/*.nbi`` and ``*.nbc`` beside it (or touch the kernel
+modules) so that ``twobit`` and ``topk`` recompile.
+"""
+from __future__ import annotations
+
+import sys
+
+if sys.byteorder != "little":  # the 2-bit kernels address the code words as bytes
+    raise ImportError("the numba backend assumes a little-endian CPU")
+
+from gradcomp.backends.numba import ops  # noqa: E402,F401  (registers the ops)
