@@ -24,9 +24,15 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
 def allgather_payload(payload: Payload, group: Optional[dist.ProcessGroup] = None) -> torch.futures.Future:
     """Start an allgather of ``payload.buffer``; the future's value is ``[gathered]``,
     a uint8 tensor of ``world_size * payload.nbytes`` bytes, rank ``r`` at ``r * nbytes``."""
+    return allgather_bytes(payload.buffer, group)
+
+
+def allgather_bytes(buffer: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.futures.Future:
+    """Start an allgather of the 1-D uint8 ``buffer`` (the same size on every rank); the
+    future's value is ``[gathered]``, uint8 ``[world_size * buffer.numel()]``."""
     group = group if group is not None else dist.group.WORLD
-    gathered = torch.empty(group_size(group) * payload.nbytes, dtype=torch.uint8, device=payload.buffer.device)
-    work = _all_gather_flat(gathered, payload.buffer, group=group, async_op=True)
+    gathered = torch.empty(group_size(group) * buffer.numel(), dtype=torch.uint8, device=buffer.device)
+    work = _all_gather_flat(gathered, buffer, group=group, async_op=True)
     # The work's own future does not carry the output tensor on every backend (Gloo
     # gives back the input), so hand on the buffer we gathered into -- after value()
     # has re-raised any failure of the collective.

@@ -1,4 +1,9 @@
-"""DDP communication hook: compress each gradient bucket, exchange, average in place.
+"""DDP communication hook: a thin adapter from DDP's buckets to :class:`gradcomp.engine.Engine`.
+
+The engine does every step (schedule, error feedback, compression, validation of received
+payloads, the rank-ordered average, the transactional residual commit); this module only
+translates a :class:`torch.distributed.GradBucket` into ``engine.start`` / ``engine.finish``
+and launches the collectives with ``torch.distributed``.
 
 Example::
 
@@ -11,187 +16,168 @@ Example::
 """
 # No `from __future__ import annotations`: DDP checks the hook's annotations at
 # registration and needs them to be the real dist.GradBucket / Future[Tensor].
-import time
-import warnings
+import logging
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from gradcomp.backends import BACKENDS, resolve_backend
 from gradcomp.compressors.base import Compressor
+from gradcomp.engine import Engine, Transport
 from gradcomp.error_feedback import ErrorFeedback
-from gradcomp.exchange import allgather_payload, average_gathered, group_size
+from gradcomp.exchange import allgather_bytes
+from gradcomp.settings import DEFAULT_MIN_NUMEL, check_gradient_dtypes
 
 __all__ = ["CompressionState", "compression_hook", "register"]
 
+logger = logging.getLogger(__name__)
+
+
+class TorchDistributedTransport(Transport):
+    """Collectives over a ``torch.distributed`` process group (``None``: the default group)."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+        self.process_group = process_group
+
+    @property
+    def _group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self._group) if dist.is_initialized() else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self._group) if dist.is_initialized() else 0
+
+    def allreduce_average(self, tensor: torch.Tensor, name: str) -> torch.futures.Future:
+        # Scaling before the sum keeps fp16 from overflowing; multiplying by 1/P (not
+        # dividing by P) is what DDP's built-in reducer does, so a dense step is bitwise
+        # equal to DDP without a hook.
+        tensor.mul_(1.0 / self.world_size)
+        return dist.all_reduce(tensor, group=self._group, async_op=True).get_future()
+
+    def allgather(self, buffer: torch.Tensor, name: str) -> torch.futures.Future:
+        return allgather_bytes(buffer, self._group)
+
+    def agree(self, fingerprint: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(fingerprint) for _ in range(self.world_size)]
+        dist.all_gather(parts, fingerprint, group=self._group)
+        return torch.stack(parts)
+
 
 class CompressionState:
-    """State of :func:`compression_hook`: settings, residuals, step counter, telemetry.
+    """State of :func:`compression_hook`: the engine (settings, residuals, step, telemetry) and
+    the parameter names.
 
     Args:
         compressor: a :class:`gradcomp.Compressor` (``TopK``, ``TwoBit``, ``FP16``, ...).
         process_group: the group to exchange over; ``None`` is the default group.
-        warmup_steps: steps that use a plain dense allreduce before compression starts.
-            Residuals are keyed by parameter, so DDP's bucket rebuild after iteration 1
-            is safe at any value; the default 2 still waits for it, as PowerSGD does,
-            so that the first compressed steps see the final buckets.
-        min_numel: buckets with fewer elements go dense (compression would save little
-            and cost a kernel launch and an allgather of P payloads).
+        warmup_steps: dense steps before compression starts (default 2, see
+            :mod:`gradcomp.settings`); not with ``schedule``.
+        min_numel: buckets with fewer elements go dense (default 1024).
         error_feedback: keep residuals (only for compressors that drop information).
         named_parameters: ``model.named_parameters()`` of the wrapped module; gives the
             residuals names that survive a restart. :func:`register` passes it.
         backend: kernel backend override (``"torch"``, ``"numba"``, ``"cuda"``).
+        schedule, transform: the engine's extension slots (:mod:`gradcomp.engine`).
     """
 
-    __slots__ = [
-        # hyperparameters
-        "compressor",
-        "process_group",
-        "warmup_steps",
-        "min_numel",
-        "error_feedback",
-        "backend",
-        # internal state
-        "step",
-        "residuals",
-        "_param_names",
-        "_step_stats",
-        "_last_step_stats",
-        "_totals",
-    ]
+    __slots__ = ["engine", "process_group", "_param_names", "_parameter_numels"]
 
     def __init__(
         self,
         compressor: Compressor,
         process_group: Optional[dist.ProcessGroup] = None,
-        warmup_steps: int = 2,
-        min_numel: int = 4096,
+        warmup_steps: Optional[int] = None,
+        min_numel: int = DEFAULT_MIN_NUMEL,
         error_feedback: bool = True,
         named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
         backend: Optional[str] = None,
+        schedule=None,
+        transform=None,
     ):
-        if not isinstance(compressor, Compressor):
-            raise TypeError(
-                f"compressor must be a gradcomp.Compressor such as gradcomp.TopK(0.01) or "
-                f"gradcomp.TwoBit(0.5), got {type(compressor).__name__}"
-            )
-        for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-        self.compressor = compressor
         self.process_group = process_group
-        self.warmup_steps = warmup_steps
-        self.min_numel = min_numel
-        self.error_feedback = bool(error_feedback)
-        self.backend = backend
-        self.step = 0
-        self.residuals = ErrorFeedback()
+        self.engine = Engine(compressor, TorchDistributedTransport(process_group), warmup_steps=warmup_steps,
+                             min_numel=min_numel, error_feedback=error_feedback, backend=backend,
+                             schedule=schedule, transform=transform)  # fmt: skip
         self._param_names: Optional[Dict[int, str]] = None
+        self._parameter_numels: Optional[Dict[str, int]] = None
         if named_parameters is not None:
             self.attach(named_parameters)
-        self._step_stats: Dict[int, dict] = {}
-        self._last_step_stats: Dict[int, dict] = {}
-        self._totals = {"bytes_sent": 0, "dense_bytes": 0, "compress_s": 0.0, "steps": 0}
 
     def attach(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]]) -> None:
-        """Name the parameters, so residuals are saved and restored by name."""
-        self._param_names = {id(param): name for name, param in named_parameters}
+        """Name the parameters, so residuals are saved and restored by name. Raises if residuals
+        already held (e.g. loaded) belong to no parameter of this model."""
+        named = list(named_parameters)
+        names = {name for name, _ in named}
+        unknown = [key for key in self.engine.residual_memory.keys() if isinstance(key, str) and key not in names]
+        if unknown:
+            raise ValueError(f"residuals are held for {unknown[:5]}, which are no parameters of this model")
+        self._param_names = {id(param): name for name, param in named}
+        self._parameter_numels = {name: param.numel() for name, param in named}
+
+    # The names of the engine's settings, read through for existing callers.
+    compressor = property(lambda self: self.engine.compressor)
+    warmup_steps = property(lambda self: self.engine.warmup_steps)
+    min_numel = property(lambda self: self.engine.min_numel)
+    error_feedback = property(lambda self: self.engine.error_feedback)
+    backend = property(lambda self: self.engine.backend)
+    schedule = property(lambda self: self.engine.schedule)
+    transform = property(lambda self: self.engine.transform)
+
+    @property
+    def step(self) -> int:
+        return self.engine.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.engine.step = value
+
+    @property
+    def residual_memory(self) -> ErrorFeedback:
+        """This rank's error-feedback memory (residuals keyed by parameter name)."""
+        return self.engine.residual_memory
+
+    @property
+    def residuals(self) -> ErrorFeedback:
+        """Older name of :attr:`residual_memory`."""
+        return self.engine.residual_memory
 
     # -- pickling: drop what cannot cross a process boundary, as PowerSGDState does ----
     def __getstate__(self):
-        state = {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group", "_param_names")}
-        return state
+        return {"engine": self.engine}
 
     def __setstate__(self, state):
         self.process_group = None
-        self._param_names = None
-        for slot, value in state.items():
-            setattr(self, slot, value)
+        self._param_names = self._parameter_numels = None
+        self.engine = state["engine"]
+        self.engine.transport = TorchDistributedTransport(None)
 
     # -- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict:
-        """``{"step", "world_size", "residuals": {param name: float32 tensor}}``: this rank's
-        state. Save one per rank beside the model and optimizer; it loads with
-        ``torch.load(..., weights_only=True)``."""
-        if self._param_names is None and self.residuals.keys():
+        """This rank's state in the engine's format (:meth:`gradcomp.engine.Engine.state_dict`),
+        the same as the Horovod optimizer's. Save one per rank beside the model and optimizer;
+        it loads with ``torch.load(..., weights_only=True)``."""
+        if self._param_names is None and self.engine.residual_memory.keys():
             raise RuntimeError(
                 "residuals are keyed by parameter identity because no names were given; "
                 "create the state with gradcomp.hooks.ddp.register(model, ...) or "
                 "CompressionState(..., named_parameters=model.module.named_parameters())"
             )
-        return {
-            "step": self.step,
-            "world_size": group_size(self.process_group) if dist.is_initialized() else 1,
-            "residuals": self.residuals.state_dict()["residuals"],
-        }
+        return self.engine.state_dict()
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`. If the world size changed, residuals are reset with
-        a warning: each residual is one rank's private error and has no meaning for a
-        different set of ranks. The step counter is restored either way."""
-        missing = {"step", "world_size", "residuals"} - set(state_dict)
-        if missing:
-            raise ValueError(f"state_dict lacks {sorted(missing)}; pass the dict from CompressionState.state_dict()")
-        self.step = int(state_dict["step"])
-        world_size = group_size(self.process_group) if dist.is_initialized() else 1
-        if int(state_dict["world_size"]) != world_size:
-            warnings.warn(
-                f"gradcomp: checkpoint was saved with world size {state_dict['world_size']} and is "
-                f"loaded with {world_size}; error-feedback residuals are reset to zero"
-            )
-            self.residuals.reset()
-        else:
-            self.residuals.load_state_dict({"residuals": state_dict["residuals"]})
+    def load_state_dict(self, state_dict: dict, unknown_residuals: str = "raise") -> None:
+        """Restore :meth:`state_dict` (from DDP or the Horovod optimizer) transactionally; see
+        :meth:`gradcomp.engine.Engine.load_state_dict`. A checkpoint of another world size, rank
+        or compressor loads with a warning and zero residuals."""
+        self.engine.load_state_dict(state_dict, self._parameter_numels, unknown_residuals)
 
     # -- telemetry ---------------------------------------------------------------------
-    def _record(self, bucket_index: int, bytes_sent: int, dense_bytes: int, compress_s: float, mode: str,
-                backend: Optional[str] = None) -> None:
-        self._step_stats[bucket_index] = {
-            "bytes_sent": bytes_sent,
-            "dense_bytes": dense_bytes,
-            "compress_s": compress_s,
-            "mode": mode,
-            "backend": backend,
-        }
-        self._totals["bytes_sent"] += bytes_sent
-        self._totals["dense_bytes"] += dense_bytes
-        self._totals["compress_s"] += compress_s
-
-    def _end_step(self) -> None:
-        self._last_step_stats = self._step_stats
-        self._step_stats = {}
-        self._totals["steps"] += 1
-        self.step += 1
-
     def stats(self) -> dict:
-        """Bytes this rank handed to collectives and time spent compressing.
-
-        Returns ``{"step": int, "last_step": {...}, "total": {...}}`` where each part has
-        ``bytes_sent``, ``dense_bytes`` (what a dense allreduce of the same buckets would
-        hand over), ``ratio`` (dense ÷ sent) and ``compress_s``; ``last_step`` also has
-        ``buckets``: ``{bucket index: {..., "mode": "dense" | "compressed", "backend"}}``
-        where ``backend`` is the kernel backend that compressed the bucket (``None``
-        for an allreduce).
-        """
-
-        def summary(parts: dict) -> dict:
-            sent, dense = parts["bytes_sent"], parts["dense_bytes"]
-            return {**parts, "ratio": dense / sent if sent else float("nan")}
-
-        last = self._last_step_stats
-        last_totals = {
-            "bytes_sent": sum(b["bytes_sent"] for b in last.values()),
-            "dense_bytes": sum(b["dense_bytes"] for b in last.values()),
-            "compress_s": sum(b["compress_s"] for b in last.values()),
-        }
-        return {
-            "step": self.step,
-            "last_step": {**summary(last_totals), "buckets": {i: dict(b) for i, b in last.items()}},
-            "total": summary(dict(self._totals)),
-        }
+        """See :meth:`gradcomp.telemetry.Telemetry.stats` (groups are bucket indices)."""
+        return self.engine.stats()
 
     # -- helpers for the hook ------------------------------------------------------------
     def _keys(self, bucket: dist.GradBucket) -> List:
@@ -207,32 +193,6 @@ class CompressionState:
             ) from None
 
 
-def _dense_allreduce(state: CompressionState, bucket: dist.GradBucket, mode: str) -> torch.futures.Future:
-    """Average with one allreduce of the cast payload, as torch's default and fp16 hooks do."""
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world_size = group_size(group)
-    grad = bucket.buffer()
-    compressor = state.compressor if mode == "compressed" else None
-    wire_dtype = getattr(compressor, "wire_dtype", None) or grad.dtype
-    if mode == "dense":
-        _flush_residuals(state, bucket, grad)
-    # Scaling before the sum keeps fp16 from overflowing; multiplying by 1/P (not
-    # dividing by P) is what DDP's built-in reducer does, so the Identity compressor is
-    # bitwise equal to DDP without a hook.
-    wire = grad if wire_dtype == grad.dtype else grad.to(wire_dtype)
-    wire.mul_(1.0 / world_size)
-    state._record(bucket.index(), wire.numel() * wire.element_size(), grad.numel() * grad.element_size(), 0.0, mode)
-    fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
-
-    def decompress(fut):
-        reduced = _collective_result(fut, bucket)
-        if reduced.data_ptr() != grad.data_ptr():
-            grad.copy_(reduced)
-        return grad
-
-    return fut.then(decompress)
-
-
 def _collective_result(fut: torch.futures.Future, bucket: dist.GradBucket) -> torch.Tensor:
     """The collective's output, or an error that says what failed and the likely cause."""
     try:
@@ -245,94 +205,49 @@ def _collective_result(fut: torch.futures.Future, bucket: dist.GradBucket) -> to
         ) from error
 
 
-def _flush_residuals(state: CompressionState, bucket: dist.GradBucket, grad: torch.Tensor) -> None:
-    """A bucket that goes dense after being compressed sends its residuals along, so
-    nothing held back is lost (happens when buckets are rebuilt across ``min_numel``)."""
-    if not state.residuals.keys():
-        return
-    offset = 0
-    for key, param_grad in zip(state._keys(bucket), bucket.gradients()):
-        residual = state.residuals.residual(key)
-        n = param_grad.numel()
-        if residual is not None:
-            grad[offset : offset + n].add_(residual.to(grad.dtype))
-            residual.zero_()
-        offset += n
-
-
 def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook that compresses ``bucket`` with ``state.compressor``.
 
-    For a compressor whose payloads cannot be summed (``TopK``, ``TwoBit``):
-
-    1. ``acc = grad + residual`` per parameter, compressed in one fused kernel that also
-       writes the new residual (:class:`gradcomp.ErrorFeedback`);
-    2. the fixed-size payloads of all ranks are allgathered into one flat buffer;
-    3. in one ``.then``: every rank decodes all payloads in rank order, sums them in
-       float32, divides by the world size and writes the result into ``bucket.buffer()``;
-       the residual update is committed only if the result is finite.
-
-    Summable compressors (``Identity``, ``FP16``, ``BF16``), warm-up steps and buckets
-    under ``min_numel`` use one allreduce instead.
+    1. ``engine.start``: the schedule picks dense or compressed; a compressed bucket is
+       compensated and compressed in one fused kernel (residuals per parameter name) and its
+       fixed-size payload allgathered (summable payloads: one allreduce);
+    2. in one ``.then`` (nothing waits): ``engine.finish`` validates every rank's payload,
+       decodes them in rank order, sums in float32, divides by the world size and writes the
+       result into ``bucket.buffer()``; the residual update is committed only if it is finite.
 
     Example::
         >>> state = CompressionState(gradcomp.TwoBit(0.5), named_parameters=net.named_parameters())
         >>> ddp_model.register_comm_hook(state, compression_hook)
     """
-    grad = bucket.buffer()
+    engine = state.engine
     try:
-        if state.step < state.warmup_steps or grad.numel() < state.min_numel:
-            return _dense_allreduce(state, bucket, "dense")
-        if state.compressor.summable:
-            return _dense_allreduce(state, bucket, "compressed")
-        return _compressed_exchange(state, bucket)
+        numels = [g.numel() for g in bucket.gradients()]
+        handle = engine.start(bucket.buffer(), state._keys(bucket), numels, bucket.index())
     finally:
         if bucket.is_last():
-            state._end_step()
+            engine.end_step()
 
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        return engine.finish(handle, _collective_result(fut, bucket))
 
-def _compressed_exchange(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future:
-    compressor, backend = state.compressor, state.backend
-    grad = bucket.buffer()
-    keys = state._keys(bucket)
-    use_feedback = state.error_feedback and compressor.uses_error_feedback
-
-    started = time.perf_counter()
-    if use_feedback:
-        numels = [g.numel() for g in bucket.gradients()]
-        if sum(numels) != grad.numel():
-            raise RuntimeError(f"bucket buffer has {grad.numel()} elements but its gradients {sum(numels)}")
-        residual, residual_out = state.residuals.buffers(keys, numels, grad.device)
-        payload = compressor.compress(grad, residual, residual_out, backend=backend)
-    else:
-        payload = compressor.compress(grad, backend=backend)
-    compress_s = time.perf_counter() - started
-
-    state._record(bucket.index(), payload.nbytes, grad.numel() * grad.element_size(), compress_s, "compressed",
-                  resolve_backend(grad.device, backend))
-    layout = payload.layout
-    fut = allgather_payload(payload, state.process_group)
-
-    def decompress(fut):
-        gathered = _collective_result(fut, bucket)
-        out = grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
-        average_gathered(compressor, layout, gathered, out, backend)
-        if use_feedback:
-            # Commit e' only if no rank sent NaN/Inf; the decision stays on the device.
-            state.residuals.commit(keys, torch.isfinite(out).all())
-        if out is not grad:
-            grad.copy_(out)
-        return grad
-
-    return fut.then(decompress)
+    return handle.work.then(finish)
 
 
 def register(model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor, **state_kwargs) -> CompressionState:
     """Build a :class:`CompressionState` for ``model``, register :func:`compression_hook`
-    on it and return the state. ``state_kwargs`` go to :class:`CompressionState`."""
+    on it and return the state. ``state_kwargs`` go to :class:`CompressionState`.
+
+    Fails here, before any training step, for a bad backend name (argument or
+    ``$GRADCOMP_BACKEND``), a backend that cannot run on the model's device, and gradient
+    dtypes the compressor cannot take.
+    """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register() needs a DistributedDataParallel model, got {type(model).__name__}")
     state_kwargs.setdefault("process_group", model.process_group)
-    state = CompressionState(compressor, named_parameters=model.module.named_parameters(), **state_kwargs)
+    named = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
+    state = CompressionState(compressor, named_parameters=named, **state_kwargs)
+    check_gradient_dtypes([(name, p.dtype) for name, p in named], state.compressor)
+    if named and not state.compressor.summable:
+        state.engine.check_backend(named[0][1].device)
     model.register_comm_hook(state, compression_hook)
     return state

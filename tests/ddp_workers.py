@@ -230,7 +230,9 @@ def count_collective_bytes(rank, world_size, steps):
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             stats = state.stats()
             reported.append({"bytes_sent": stats["last_step"]["bytes_sent"],
-                             "modes": sorted(b["mode"] for b in stats["last_step"]["buckets"].values())})
-        return {"handed": handed, "reported": reported, "total": state.stats()["total"]["bytes_sent"]}
+                             "modes": sorted(b["mode"] for b in stats["last_step"]["groups"].values()),
+                             "agreement": stats["agreement"]["collectives"]})
+        return {"handed": handed, "reported": reported, "total": state.stats()["total"]["bytes_sent"],
+                "buckets": len(stats["last_step"]["groups"])}
     finally:
         exchange._all_gather_flat, dist.all_reduce = real_gather, real_reduce

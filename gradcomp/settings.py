@@ -1,0 +1,75 @@
+"""The engine's settings: one set of defaults and one validation for DDP and Horovod.
+
+Defaults, chosen once for both integrations:
+
+* ``warmup_steps = 2``: DDP rebuilds its buckets after the first iteration; two dense steps
+  let compression start on the final buckets (as PowerSGD's ``start_powerSGD_iter``
+  advises), and keep the largest early gradients out of the residuals. For top-k and 2-bit
+  the measured schedules of :mod:`gradcomp.schedule` do better; pass one as ``schedule=``.
+* ``min_numel = 1024``: a group of fewer elements (4 KiB of float32) goes dense. Its
+  compressed payload would save at most a few KiB, while it still costs a kernel launch and
+  an allgather of ``P`` payloads instead of one allreduce; Horovod's per-parameter biases and
+  norms fall below it, weight matrices and DDP buckets lie far above it.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Tuple
+
+import torch
+
+from gradcomp.backends import BACKENDS, resolve_backend
+from gradcomp.compressors.base import FLOAT_DTYPES, Compressor
+
+__all__ = ["DEFAULT_WARMUP_STEPS", "DEFAULT_MIN_NUMEL", "check_compressor", "check_count", "check_backend",
+           "check_gradient_dtypes"]
+
+DEFAULT_WARMUP_STEPS = 2
+DEFAULT_MIN_NUMEL = 1024
+
+
+def check_compressor(compressor) -> Compressor:
+    """``compressor`` if it is a gradcomp compressor instance, else a ``TypeError`` that says what to pass."""
+    if isinstance(compressor, type) and issubclass(compressor, Compressor):
+        raise TypeError(f"pass a compressor instance, e.g. gradcomp.{compressor.__name__}(...), not the class")
+    if not isinstance(compressor, Compressor):
+        raise TypeError(
+            f"compressor must be a gradcomp.Compressor such as gradcomp.TopK(0.01) or "
+            f"gradcomp.TwoBit(0.5), got {type(compressor).__name__}"
+        )
+    return compressor
+
+
+def check_count(name: str, value) -> int:
+    """``value`` if it is an integer >= 0, else a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def check_backend(backend: Optional[str], device) -> str:
+    """Resolve the kernel backend for ``device`` now (argument, else ``$GRADCOMP_BACKEND``, else
+    automatic), so that a bad name or a missing dependency fails at set-up, not inside a hook."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    return resolve_backend(device, backend)
+
+
+def check_gradient_dtypes(named_dtypes: Iterable[Tuple[str, torch.dtype]], compressor: Compressor) -> None:
+    """Raise ``TypeError`` naming the parameters whose gradients ``compressor`` cannot take.
+
+    Gradcomp compresses float32, float16 and bfloat16 gradients; a compressor whose payload
+    is the gradient itself (``Identity``) takes any dtype, since that is a plain allreduce.
+    """
+    bad = [(name, dtype) for name, dtype in named_dtypes if dtype not in FLOAT_DTYPES]
+    if bad and not _is_identity(compressor):
+        listing = ", ".join(f"{name}: {dtype}" for name, dtype in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        raise TypeError(
+            f"{compressor!r} compresses float32, float16 and bfloat16 gradients only; these parameters have "
+            f"other dtypes: {listing}. Convert the model (model.float()) or leave those parameters out."
+        )
+
+
+def _is_identity(compressor: Compressor) -> bool:
+    from gradcomp.compressors.casts import Identity
+
+    return type(compressor) is Identity
