@@ -62,7 +62,7 @@ import hashlib
 import logging
 import time
 import warnings
-from typing import Dict, Hashable, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,17 +73,7 @@ from gradcomp.exchange import average_gathered
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.settings import DEFAULT_MIN_NUMEL, DEFAULT_WARMUP_STEPS, check_backend, check_compressor, check_count
 from gradcomp.telemetry import Telemetry
-
-try:  # payload validation (gradcomp.validation); decoding without it still bound-checks in the kernels
-    from gradcomp.validation import PayloadError, validate_gathered
-except ImportError:  # pragma: no cover - only while the module is absent
-    validate_gathered = None
-
-    class PayloadError(ValueError):  # type: ignore[no-redef]
-        def __init__(self, reason: str, rank: Optional[int] = None):
-            self.rank, self.reason = rank, reason
-            super().__init__(f"gradcomp: rejected the payload sent by {rank if rank is not None else 'a peer'}: {reason}")
-
+from gradcomp.validation import PayloadError, validate_gathered
 
 __all__ = ["Engine", "Handle", "Transport", "SettingsMismatchError", "STATE_FORMAT"]
 
@@ -267,7 +257,8 @@ class Engine:
         """
         keys, numels = tuple(keys), tuple(int(n) for n in numels)
         if sum(numels) != grad.numel():
-            raise RuntimeError(f"group {group!r}: the gradient has {grad.numel()} elements, its parameters {sum(numels)}")
+            raise RuntimeError(f"group {group!r}: the gradient has {grad.numel()} elements, "
+                               f"its parameters {sum(numels)}")
         if self.step in self.agreement_steps:
             self.check_agreement([(numels, grad.dtype)], group)
         compressor = self.compressor_now()
@@ -351,11 +342,10 @@ class Engine:
                 f"{self.transport.world_size if self.transport else '?'} ranks x {layout.nbytes}; ranks disagree "
                 "on the model, its dtypes or the compressor settings"
             )
-        if validate_gathered is not None:
-            try:
-                validate_gathered(handle.compressor, layout, gathered, grad.numel())
-            except PayloadError as error:
-                raise PayloadError(f"{error.reason} (group {handle.group!r})", error.rank) from error
+        try:
+            validate_gathered(handle.compressor, layout, gathered, grad.numel())
+        except PayloadError as error:
+            raise PayloadError(f"{error.reason} (group {handle.group!r})", error.rank) from error
         out = grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32,
                                                                     device=grad.device)
         average_gathered(handle.compressor, layout, gathered, out, self.backend)
@@ -474,7 +464,15 @@ class Engine:
 
     def load_state_dict(self, state_dict, parameter_numels: Optional[Mapping[str, int]] = None,
                         unknown_residuals: str = "raise") -> None:
-        """Restore :meth:`state_dict`, transactionally: everything is validated, then assigned.
+        """Restore :meth:`state_dict` transactionally (see :meth:`prepare_load`)."""
+        self.prepare_load(state_dict, parameter_numels, unknown_residuals)()
+
+    def prepare_load(self, state_dict, parameter_numels: Optional[Mapping[str, int]] = None,
+                     unknown_residuals: str = "raise") -> Callable[[], None]:
+        """Validate :meth:`state_dict`'s output and return the function that assigns it.
+
+        An adapter that loads more than the engine (the Horovod optimizer's own state) validates
+        every part before it assigns any. Loading is transactional: everything is validated, then assigned.
 
         Validated first: the types, ``step``/``world_size``/``rank`` as integers, every residual a
         finite 1-D float tensor whose numel equals its parameter's (``parameter_numels``: name ->
@@ -507,8 +505,9 @@ class Engine:
         kept = {}
         for name, value in residuals.items():
             if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
-                raise ValueError(f"the residual of {name!r} must be a 1-D float tensor, got "
-                                 f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}")
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ""
+                what = f"{type(value).__name__}{shape}"
+                raise ValueError(f"the residual of {name!r} must be a 1-D float tensor, got {what}")
             if not bool(torch.isfinite(value).all()):
                 raise ValueError(f"the residual of {name!r} is not finite; the checkpoint is corrupt")
             if parameter_numels is not None:
@@ -537,24 +536,28 @@ class Engine:
             raise ValueError("the checkpoint was saved " + ("without" if saved_transform is None else "with")
                              + " an optimizer-aware transform and this run " + ("has one" if saved_transform is None
                                                                                  else "has none"))
-        if self.transform is not None and saved_transform is not None:
-            self.transform.load_state_dict(saved_transform)
-
-        # -- everything validated: assign ------------------------------------------------
         reset_reason = None
         if world_size != here[0] or (rank is not None and rank != here[1]):
             saved_at = f"rank {rank} of " if rank is not None else ""
             reset_reason = (f"the checkpoint was saved by {saved_at}world size {world_size} and is loaded by rank "
                             f"{here[1]} of world size {here[0]}")
         elif saved_spec is not None and saved_spec != spec_of(self.compressor):
-            reset_reason = f"the checkpoint's residuals were made by {saved_spec!r}, this run uses {spec_of(self.compressor)!r}"
-        self.step = step
-        if reset_reason is not None:
-            if kept:
-                warnings.warn(f"gradcomp: {reset_reason}; error-feedback residuals are reset to zero")
-            self.residual_memory.reset()
-        else:
-            self.residual_memory.load_state_dict({"residuals": kept})
+            reset_reason = (f"the checkpoint's residuals were made by {saved_spec!r}, "
+                            f"this run uses {spec_of(self.compressor)!r}")
+
+        def assign() -> None:
+            # The transform's own load comes first: if it refuses, nothing else has changed.
+            if self.transform is not None and saved_transform is not None:
+                self.transform.load_state_dict(saved_transform)
+            self.step = step
+            if reset_reason is not None:
+                if kept:
+                    warnings.warn(f"gradcomp: {reset_reason}; error-feedback residuals are reset to zero")
+                self.residual_memory.reset()
+            else:
+                self.residual_memory.load_state_dict({"residuals": kept})
+
+        return assign
 
     def __getstate__(self):
         state = dict(self.__dict__)

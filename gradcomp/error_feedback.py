@@ -19,11 +19,13 @@ NaN/Inf on any rank leaves every rank's residual exactly as it was.
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+logger = logging.getLogger(__name__)
 
 class _Group:
     """Flat residuals of several keys: ``current`` is committed, ``spare`` is scratch."""
@@ -64,8 +66,8 @@ class ErrorFeedback:
     Example::
 
         >>> ef = ErrorFeedback()
-        >>> current, spare = ef.buffers(["fc.weight"], [grad.numel()], grad.device)
-        >>> payload = compressor.compress(grad, current, spare)   # writes e' into spare
+        >>> residual_in, residual_out = ef.buffers(["fc.weight"], [grad.numel()], grad.device)
+        >>> payload = compressor.compress(grad, residual_in, residual_out)   # writes e' into residual_out
         >>> ef.commit(["fc.weight"])                                # e <- e'
     """
 
@@ -74,17 +76,21 @@ class ErrorFeedback:
         self._owner: Dict[Hashable, Tuple[Hashable, ...]] = {}
         # Residuals loaded from a state dict, waiting for their key's first use.
         self._loaded: Dict[Hashable, torch.Tensor] = {}
+        self._regroup_logged = False
 
     def buffers(self, keys: Sequence[Hashable], numels: Sequence[int], device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Flat ``(current, spare)`` float32 buffers for ``keys`` laid out in that order.
+        """Flat ``(residual_in, residual_out)`` float32 buffers for ``keys`` laid out in that order,
+        in the order the kernels take them (``compress(grad, residual_in, residual_out)``).
 
-        ``current`` holds the committed residuals (zeros for a new key); ``spare`` is a
-        same-sized buffer for the kernel to write ``e'`` into. Neither is mutated here
-        beyond moving residuals of ``keys`` out of groups laid out differently.
+        ``residual_in`` holds the committed residuals ``e`` (zeros for a new key); ``residual_out``
+        is a same-sized spare buffer for the kernel to write ``e'`` into, made the committed one by
+        :meth:`commit`. Neither is mutated here beyond moving residuals of ``keys`` out of groups
+        laid out differently (a DDP bucket rebuild), which is logged once.
         """
         group_key = tuple(keys)
         group = self._groups.get(group_key)
-        if group is None or group.numels != tuple(int(n) for n in numels) or group.current.device != torch.device(device):
+        same_layout = group is not None and group.numels == tuple(int(n) for n in numels)
+        if not same_layout or group.current.device != torch.device(device):
             group = self._regroup(group_key, numels, device)
         group.resolve()
         if group.spare is None:
@@ -106,6 +112,7 @@ class ErrorFeedback:
             raise ValueError(f"duplicate keys in {group_key!r}")
         group = _Group(group_key, numels, device)
         emptied: List[Tuple[Hashable, ...]] = []
+        moved = any(self._owner.get(key) not in (None, group_key) for key in group_key)
         for position, key in enumerate(group_key):
             source = self._take(key, emptied)
             if source is None:
@@ -116,6 +123,10 @@ class ErrorFeedback:
                     f"{group.numels[position]}; was the model changed after the residual was saved?"
                 )
             group.slice(position).copy_(source)
+        if moved and not self._regroup_logged:
+            self._regroup_logged = True
+            logger.info("gradcomp: residuals regrouped into a new layout of %d parameters (first: %r), "
+                        "e.g. after a DDP bucket rebuild", len(group_key), group_key[0])
         for old_key in emptied:
             del self._groups[old_key]
         self._groups[group_key] = group

@@ -233,7 +233,9 @@ def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torc
     return handle.work.then(finish)
 
 
-def register(model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor, **state_kwargs) -> CompressionState:
+def register(
+    model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor, **state_kwargs
+) -> CompressionState:
     """Build a :class:`CompressionState` for ``model``, register :func:`compression_hook`
     on it and return the state. ``state_kwargs`` go to :class:`CompressionState`.
 

@@ -158,12 +158,12 @@ def scenario_equivalence(rank, hvd):
     makers = {
         "horovod": lambda m: hvd.DistributedOptimizer(make_sgd(m), named_parameters=m.named_parameters()),
         "identity": lambda m: dropin(m, compression=gradcomp.Identity()),
-        "topk_all": lambda m: dropin(m, compression=gradcomp.TopK(1.0), min_numel=0),
+        "topk_all": lambda m: dropin(m, compression=gradcomp.TopK(1.0), min_numel=0, warmup_steps=0),
         "default": lambda m: gc_hvd.DistributedOptimizer(make_sgd(m), named_parameters=m.named_parameters()),
         "fp16_stock": lambda m: hvd.DistributedOptimizer(
             make_sgd(m), named_parameters=m.named_parameters(), compression=gc_hvd.Compression.fp16
         ),
-        "fp16_dropin": lambda m: dropin(m, compression=gradcomp.FP16(), min_numel=0),
+        "fp16_dropin": lambda m: dropin(m, compression=gradcomp.FP16(), min_numel=0, warmup_steps=0),
     }
     for name, make in makers.items():
         model = make_model()
@@ -175,7 +175,7 @@ def scenario_equivalence(rank, hvd):
         losses, _ = train(opt, model, data, 10)
         results[name] = {"params": params_of(model), "losses": losses, "step_after_broadcast": exchanged}
         if hasattr(opt, "stats"):
-            results[name]["modes"] = {k: v["mode"] for k, v in opt.stats()["last_step"]["params"].items()}
+            results[name]["modes"] = {k: v["mode"] for k, v in opt.stats()["last_step"]["groups"].items()}
     return results
 
 
@@ -221,7 +221,7 @@ def scenario_sparse(rank, hvd):
             opt.zero_grad()
         results[name] = {"params": params_of(model), "losses": losses, "sparse_after_sync": sparse_after_sync}
         if hasattr(opt, "stats"):
-            results[name]["modes"] = {k: v["mode"] for k, v in opt.stats()["last_step"]["params"].items()}
+            results[name]["modes"] = {k: v["mode"] for k, v in opt.stats()["last_step"]["groups"].items()}
     return results
 
 

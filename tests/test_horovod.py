@@ -209,7 +209,7 @@ def test_compressed_parameters_really_were_compressed(ranks):
     """The exactness above is not vacuous: each scenario's modes and bytes are what its
     settings say, and the compressed gradients are sparse or quantized."""
     topk = ranks[0]["exact"]["topk"]
-    modes = {name: s["mode"] for name, s in topk["stats"]["last_step"]["params"].items()}
+    modes = {name: s["mode"] for name, s in topk["stats"]["last_step"]["groups"].items()}
     assert modes == {"0.weight": "allgather", "0.bias": "dense", "2.weight": "dense", "2.bias": "dense"}
     payload = gradcomp.TopK(0.01).layout(worker.D_IN * worker.HIDDEN, torch.float32).nbytes
     dense = 4 * (worker.D_IN * worker.HIDDEN + 2 * worker.HIDDEN + 1)
@@ -221,11 +221,11 @@ def test_compressed_parameters_really_were_compressed(ranks):
     t = float(torch.tensor(worker.EXACT["twobit"]["compressor"][1], dtype=torch.float32))
     levels = set(torch.unique(twobit).tolist())
     assert levels <= {-t, -t / 2, 0.0, t / 2, t} and len(levels) >= 3
-    global_stats = ranks[0]["exact"]["topk_global"]["stats"]["last_step"]["params"]
+    global_stats = ranks[0]["exact"]["topk_global"]["stats"]["last_step"]["groups"]
     assert list(global_stats) == ["0.weight+0.bias+2.weight+2.bias"]
     names = [name for name, _ in worker.make_model().named_parameters()]
     assert ranks[0]["exact"]["topk_fp16"]["grad_dtypes"] == dict.fromkeys(names, torch.float16)
-    bf16_stats = ranks[0]["exact"]["bf16_allgather"]["stats"]["last_step"]["params"]
+    bf16_stats = ranks[0]["exact"]["bf16_allgather"]["stats"]["last_step"]["groups"]
     bf16_modes = {s["mode"] for s in bf16_stats.values()}
     assert bf16_modes == {"allgather"}  # Horovod cannot allreduce bfloat16, so it is gathered
 
@@ -311,7 +311,7 @@ def test_topk_with_error_feedback_converges_within_5_percent_of_dense(ranks):
     assert topk <= 1.05 * dense, f"top-k {topk:.5f} vs dense {dense:.5f}"
     stats = ranks[0]["convergence"]["topk"]["stats"]
     assert stats["step"] == worker.CONVERGENCE_STEPS
-    assert stats["total"]["ratio"] > 7  # 1% of the 1024-entry weight plus the dense rest
+    assert stats["total"]["compression_ratio"] > 7  # 1% of the 1024-entry weight plus the dense rest
 
 
 # -- in-process: the compression protocol and argument checks -----------------------------

@@ -1,6 +1,7 @@
 """The compressor protocol shared by every compressor."""
 from __future__ import annotations
 
+import abc
 from typing import ClassVar, Optional
 
 import torch
@@ -23,22 +24,48 @@ def check_gradient(tensor: torch.Tensor) -> None:
         raise ValueError(f"expected a flat contiguous tensor, got shape {tuple(tensor.shape)}; pass tensor.view(-1)")
 
 
-class Compressor:
-    """Stateless, communication-free compression of one flat tensor.
+class Compressor(abc.ABC):
+    """Stateless, communication-free compression of one flat tensor (abstract base class).
 
-    Subclasses define :meth:`layout`, :meth:`compress` and :meth:`decompress_add`.
-    ``summable`` says whether payloads may be summed by an allreduce (then the payload
-    has one segment, ``"data"``); otherwise they are allgathered and decoded one by one.
+    The contract every compressor keeps (the engine, both integrations and the payload
+    validation rely on it):
+
+    1. **No state, no communication.** A compressor holds only its settings; error feedback
+       (:class:`gradcomp.ErrorFeedback`), schedules and exchanges live elsewhere. Two
+       compressors with equal settings behave identically on every rank.
+    2. **Fixed-size payloads.** :meth:`layout` depends only on ``(numel, dtype)`` and the
+       settings, never on the data, so every rank sends the same number of bytes and
+       payloads can be allgathered with no size exchange.
+    3. **Fused error feedback.** :meth:`compress` computes ``acc = float32(tensor) + residual``,
+       writes the payload of ``acc`` and, if asked, ``residual_out = acc - decompress(payload)``,
+       in one pass; it never mutates ``tensor``.
+    4. **Deterministic decoding.** :meth:`decompress_add` adds the decoded payload into a
+       float32 ``out`` and touches nothing else, so summing the payloads of ranks ``0..P-1`` in
+       order gives bitwise the same average on every rank.
+    5. **Untrusted payloads are checked first.** :meth:`check_payload` raises ``ValueError``
+       for a payload this compressor could not have produced for ``numel`` elements, reading
+       only; :mod:`gradcomp.validation` calls it before any payload is decoded.
+    6. **Summable payloads.** ``summable = True`` means payloads may be summed by an allreduce:
+       the payload has exactly one segment, ``"data"``, and ``decompress(sum of payloads) ==
+       sum of decompress(payload)`` up to rounding. Such compressors go through
+       :meth:`compress`/:meth:`decompress` like every other (the engine never reads their dtype).
+    7. ``uses_error_feedback`` says whether residuals apply (casts need none).
+    8. A registered compressor has a ``spec`` string (:mod:`gradcomp.compressors.registry`)
+       that rebuilds it with ``from_spec``; checkpoints and the cross-rank settings check use it.
+
+    Subclasses define :meth:`layout`, :meth:`compress` and :meth:`decompress_add`, and
+    override :meth:`check_payload` when their payload carries indices or codes.
     """
 
     summable: ClassVar[bool] = False
     #: Whether error feedback applies (a lossless or cast-only payload needs none).
     uses_error_feedback: ClassVar[bool] = False
 
+    @abc.abstractmethod
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:
         """The payload layout for a ``[numel]`` tensor of ``dtype``; depends on nothing else."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def compress(
         self,
         tensor: torch.Tensor,
@@ -57,11 +84,10 @@ class Compressor:
         Returns:
             a new :class:`Payload` of :meth:`layout` ``(n, tensor.dtype)``.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         """``out += decompress(payload)``; ``out`` is float32 ``[n]`` and is mutated."""
-        raise NotImplementedError
 
     def check_payload(self, payload: Payload, numel: int) -> None:
         """Raise ``ValueError`` with the reason unless ``payload`` is well formed for ``[numel]``.

@@ -1,0 +1,144 @@
+"""Horovod compression classes backed by summable gradcomp compressors (as ``horovod/torch/compression.py``).
+
+``compress(t) -> (t, ctx)`` and ``decompress(t, ctx)``, for the stock
+``hvd.DistributedOptimizer(opt, compression=...)``::
+
+    >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+    ...                                compression=gradcomp.hooks.horovod.Compression.fp16)
+
+bfloat16: Horovod 0.28.1's torch bindings have no bfloat16 allreduce (on CPU or CUDA;
+``horovod_torch_allreduce_async_torch_BFloat16Tensor`` does not exist), so
+``Compression.bf16`` raises a ``TypeError`` that says what to use instead when the installed
+Horovod cannot sum bfloat16.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import horovod
+    from horovod.torch import compression as _hvd_compression
+except ImportError as error:  # pragma: no cover - exercised only without Horovod
+    raise ImportError(
+        f"gradcomp.hooks.horovod needs Horovod with PyTorch support ({error}). Build and install "
+        "it with scripts/build_horovod.sh (Horovod 0.28.1 with Gloo), or pip install gradcomp[horovod]"
+    ) from error
+
+from gradcomp.compressors import BF16, FP16, Cast, Compressor, Identity
+from gradcomp.compressors.base import FLOAT_DTYPES
+from gradcomp.hooks.horovod.transport import horovod_can_allreduce
+from gradcomp.settings import check_compressor
+
+__all__ = ["Compression", "GradcompCompression", "horovod_can_allreduce", "as_compressor"]
+
+def _wire_dtype(compressor: Compressor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a summable compressor's single ``data`` segment has for ``dtype`` input."""
+    return compressor.layout(1, dtype).segments[0].dtype
+
+
+def _check_summable(compressor: Compressor) -> None:
+    if not compressor.summable:
+        raise TypeError(
+            f"{compressor!r} payloads cannot be summed by an allreduce, so it cannot be a Horovod "
+            f"compression. Use gradcomp.hooks.horovod.DistributedOptimizer(optimizer, "
+            f"named_parameters=model.named_parameters(), compression={compressor!r}), which "
+            f"allgathers the payloads and keeps error feedback per parameter."
+        )
+    names = [segment.name for segment in compressor.layout(1, torch.float32).segments]
+    if names != ["data"]:
+        raise TypeError(f"{compressor!r} is marked summable but its payload has segments {names}, not ['data']")
+
+
+class GradcompCompression(_hvd_compression.Compressor):
+    """Base of the Horovod compression classes that :meth:`Compression.wrap` makes.
+
+    ``compress`` writes the tensor's payload (one summable ``data`` segment) and returns
+    a view of it for Horovod to allreduce in place; ``decompress`` decodes the reduced
+    payload back into the tensor's dtype and shape. Non-float tensors pass through.
+    """
+
+    compressor: Compressor = Identity()
+
+    @classmethod
+    def compress(cls, tensor: torch.Tensor):
+        if tensor.is_sparse or tensor.dtype not in FLOAT_DTYPES:
+            return tensor, None
+        wire_dtype = _wire_dtype(cls.compressor, tensor.dtype)
+        if isinstance(cls.compressor, Cast) and wire_dtype == tensor.dtype:
+            return tensor, None  # a cast to its own dtype: the tensor is its payload
+        if not horovod_can_allreduce(wire_dtype, tensor.device):
+            raise TypeError(
+                f"the installed Horovod {horovod.__version__} cannot allreduce {wire_dtype} tensors on "
+                f"{tensor.device.type} (its torch bindings have no such allreduce), so {cls.__name__} "
+                f"cannot be used with hvd.DistributedOptimizer. Use Compression.fp16, or "
+                f"gradcomp.hooks.horovod.DistributedOptimizer(..., compression={cls.compressor!r}), "
+                f"which sends this payload by allgather instead."
+            )
+        payload = cls.compressor.compress(tensor.reshape(-1))
+        return payload["data"].view(tensor.shape), (payload, tensor.dtype)
+
+    @classmethod
+    def decompress(cls, tensor: torch.Tensor, ctx):
+        if ctx is None:
+            return tensor
+        payload, dtype = ctx
+        data = payload["data"]
+        if tensor.data_ptr() != data.data_ptr():  # an out-of-place allreduce (hvd.allreduce)
+            data.copy_(tensor.reshape(-1))
+        out = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+        cls.compressor.decompress(payload, out.view(-1))
+        return out
+
+
+class Compression:
+    """Horovod compression options; pass one as ``hvd.DistributedOptimizer(compression=...)``.
+
+    * ``Compression.none``: Horovod's own no-op compression.
+    * ``Compression.fp16``: gradients travel as float16 (:class:`gradcomp.FP16`).
+    * ``Compression.bf16``: gradients travel as bfloat16 (:class:`gradcomp.BF16`); needs a
+      Horovod with a bfloat16 allreduce, which 0.28.1 lacks (see the module docstring).
+    * ``Compression.wrap(compressor)``: any summable gradcomp compressor.
+    """
+
+    none = _hvd_compression.Compression.none
+
+    @staticmethod
+    def wrap(compressor: Compressor) -> type:
+        """A Horovod compression class backed by ``compressor``.
+
+        Raises ``TypeError`` for compressors whose payloads cannot be summed (``TopK``,
+        ``TwoBit``): use :func:`~gradcomp.hooks.horovod.DistributedOptimizer` for those.
+        """
+        if not isinstance(compressor, Compressor) and not isinstance(compressor, type):
+            raise TypeError(f"expected a gradcomp.Compressor such as gradcomp.FP16(), got {type(compressor).__name__}")
+        _check_summable(check_compressor(compressor))
+        name = f"Gradcomp{type(compressor).__name__}Compression"
+        return type(name, (GradcompCompression,), {"compressor": compressor})
+
+
+Compression.fp16 = Compression.wrap(FP16())
+Compression.bf16 = Compression.wrap(BF16())
+
+
+def as_compressor(compression) -> Optional[Compressor]:
+    """The gradcomp compressor behind ``compression``; ``None`` for a foreign Horovod one."""
+    if isinstance(compression, Compressor):
+        return compression
+    if isinstance(compression, type):
+        if issubclass(compression, GradcompCompression):
+            return compression.compressor
+        if issubclass(compression, Compressor):
+            raise TypeError(f"pass a compressor instance, e.g. gradcomp.{compression.__name__}(...), not the class")
+        if compression is _hvd_compression.NoneCompressor:
+            return Identity()
+        if compression is _hvd_compression.FP16Compressor:
+            return FP16()
+    if callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None)):
+        return None
+    raise TypeError(
+        "compression must be a gradcomp compressor (gradcomp.TopK(0.01), gradcomp.TwoBit(0.5), "
+        "gradcomp.FP16(), ...) or a Horovod compression (hvd.Compression.none, "
+        f"gradcomp.hooks.horovod.Compression.fp16, ...), got {compression!r}"
+    )

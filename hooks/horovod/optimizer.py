@@ -1,0 +1,257 @@
+"""The drop-in ``DistributedOptimizer``: Horovod's optimizer protocol over :class:`gradcomp.engine.Engine`.
+
+Same arguments, hooks, names and messages as ``hvd.DistributedOptimizer``; every exchange goes
+through the engine: a backward hook starts a parameter's (or group's) exchange as soon as its
+gradient is ready, and ``synchronize()`` finishes them all.
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Dict, List, Optional
+
+import horovod.torch as hvd
+import torch
+from horovod.torch import mpi_ops as _hvd_mpi_ops
+from horovod.torch import optimizer as _hvd_optimizer
+from horovod.torch.mpi_ops import Average, Sum, global_process_set
+
+from gradcomp.engine import Engine, Handle
+from gradcomp.error_feedback import ErrorFeedback
+from gradcomp.hooks.horovod.compression import Compression, as_compressor
+from gradcomp.hooks.horovod.parameters import Unit, build_units, check_horovod_arguments, flatten, names_of, unflatten
+from gradcomp.hooks.horovod.transport import HorovodTransport
+from gradcomp.settings import DEFAULT_MIN_NUMEL, check_gradient_dtypes
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods copied into a subclass of the wrapped optimizer's class, as Horovod does
+    (``super(self.__class__, self)`` is the wrapped class). Build it with :func:`DistributedOptimizer`."""
+
+    def __init__(self, params, named_parameters, engine: Engine, backward_passes_per_step, op, groups,
+                 sparse_as_dense, process_set):
+        super(self.__class__, self).__init__(params)
+        self.engine, self.op, self.process_set = engine, op, process_set
+        self.backward_passes_per_step, self.sparse_as_dense = backward_passes_per_step, sparse_as_dense
+        self._parameter_names = names_of(self.param_groups, named_parameters)
+        self._units: List[Unit] = build_units(self.param_groups, self._parameter_names, groups, process_set)
+        self._unit_of = {p: u for u in self._units for p in u.params}
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._unit_of}
+        self._ready_count: Dict[Unit, int] = {u: 0 for u in self._units}
+        self._handles: Dict[Unit, Optional[tuple]] = {}  # unit -> exchange in flight (None: waiting)
+        self._synchronized, self._should_synchronize = False, True
+        named = [(u.names[i], p) for u in self._units for i, p in enumerate(u.params)]
+        check_gradient_dtypes([(n, p.dtype) for n, p in named], engine.compressor)
+        if named and not engine.compressor.summable:
+            engine.check_backend(named[0][1].device)
+        if self.process_set.included():
+            # Units never change, so one settings check at construction covers every step.
+            engine.check_agreement([(u.numels, u.params[0].dtype) for u in self._units], "construction")
+            for unit in self._units:
+                for p in unit.params:
+                    p.register_post_accumulate_grad_hook(self._make_hook(p))
+
+    def _make_hook(self, p):
+        # The post-accumulate-grad hook is torch's public form of the hook Horovod puts on
+        # each parameter's AccumulateGrad node: it fires once p.grad holds this pass's sum.
+        def hook(*ignore):
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before call "
+                    "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+            self._allreduce_delay[p] -= 1
+            unit = self._unit_of[p]
+            if self._allreduce_delay[p] == 0:
+                self._ready_count[unit] += 1
+                if self._ready_count[unit] == len(unit.params):
+                    self._handles[unit] = self._launch(unit)
+                    return
+            self._handles.setdefault(unit, None)
+
+        return hook
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _launch(self, unit: Unit) -> tuple:
+        """Start ``unit``'s exchange: ``(handle or Horovod sparse handle, flat_is_grad, resparsify)``."""
+        resparsify = []
+        for p in unit.params:
+            if p.grad is None:  # not computed here, maybe on another rank: every rank must send
+                p.grad = p.data.new(p.size()).zero_()
+            if p.grad.is_sparse and self.sparse_as_dense:
+                p.grad = p.grad.to_dense()
+                resparsify.append(p)
+        grads = [p.grad for p in unit.params]
+        if any(g.is_sparse for g in grads):
+            if len(grads) > 1:
+                raise ValueError(f"group {unit.name} has sparse gradients; pass sparse_as_dense=True")
+            work = _hvd_mpi_ops.sparse_allreduce_async(grads[0], name=unit.name, op=self.op,
+                                                       process_set=self.process_set)  # fmt: skip
+            dense_bytes = grads[0].numel() * grads[0].element_size()
+            self.engine.telemetry.record(unit.name, grads[0]._values().numel() * grads[0].element_size(),
+                                         dense_bytes, 0.0, "sparse")  # fmt: skip
+            return work, False, resparsify
+        flat, flat_is_grad = flatten(grads)
+        return self.engine.start(flat, unit.names, unit.numels, unit.name), flat_is_grad, resparsify
+
+    def _finish(self, unit: Unit, exchange: tuple) -> None:
+        handle, flat_is_grad, resparsify = exchange
+        grads = [p.grad for p in unit.params]
+        if not isinstance(handle, Handle):  # a sparse allreduce
+            grads[0].zero_().add_(handle())
+            return
+        flat = self.engine.finish(handle, hvd.synchronize(handle.work))
+        if self.op == Sum and handle.mode == "allgather":
+            flat.mul_(self.process_set.size())  # the engine averages; exact for power-of-two sizes
+        if not flat_is_grad:
+            unflatten(flat, grads)
+        for p in resparsify:
+            p.grad = p.grad.to_sparse()
+
+    def synchronize(self) -> None:
+        """Finish every gradient's exchange and write the averages into ``p.grad``."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        for unit in self._units:
+            if self._handles.get(unit) is None:  # step() before backward_passes_per_step passes, or unused
+                self._handles[unit] = self._launch(unit)
+        for unit, exchange in self._handles.items():
+            self._finish(unit, exchange)
+        self._handles.clear()
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
+        self._ready_count = dict.fromkeys(self._ready_count, 0)
+        self.engine.end_step()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this context does not synchronize (call ``synchronize()`` first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                    "consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._handles:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+    # -- checkpointing and telemetry: the engine's, the same as the DDP hook's ---------------
+    def state_dict(self):
+        """The wrapped optimizer's state dict plus ``"gradcomp"``: :meth:`compression_state_dict`."""
+        state = super(self.__class__, self).state_dict()
+        state["gradcomp"] = self.compression_state_dict()
+        return state
+
+    def load_state_dict(self, state_dict, unknown_residuals: str = "raise"):
+        """Validate gradcomp's part, load the wrapped optimizer's, then assign gradcomp's: a
+        rejected checkpoint changes nothing of gradcomp's state."""
+        state_dict = dict(state_dict)
+        compression_state = state_dict.pop("gradcomp", None)
+        assign = None if compression_state is None else self._prepare_load(compression_state, unknown_residuals)
+        super(self.__class__, self).load_state_dict(state_dict)
+        self._handles, self._synchronized, self._should_synchronize = {}, False, True
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
+        self._ready_count = dict.fromkeys(self._ready_count, 0)
+        if assign is not None:
+            assign()
+
+    def compression_state_dict(self) -> dict:
+        """This rank's :meth:`gradcomp.engine.Engine.state_dict` (also what the DDP hook saves)."""
+        return self.engine.state_dict()
+
+    def load_compression_state_dict(self, state: dict, unknown_residuals: str = "raise") -> None:
+        """Restore :meth:`compression_state_dict` (from this optimizer or the DDP hook) transactionally."""
+        self._prepare_load(state, unknown_residuals)()
+
+    def _prepare_load(self, state: dict, unknown_residuals: str):
+        numels = {name: n for u in self._units for name, n in zip(u.names, u.numels)}
+        return self.engine.prepare_load(state, numels, unknown_residuals)
+
+    def stats(self) -> dict:
+        """See :meth:`gradcomp.telemetry.Telemetry.stats` (groups are parameter names)."""
+        return self.engine.stats()
+
+    @property
+    def residual_memory(self) -> ErrorFeedback:
+        """This rank's error-feedback memory, keyed by parameter name."""
+        return self.engine.residual_memory
+
+    residuals = residual_memory  # older name
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step: int = 1, op=Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
+                         process_set=global_process_set, warmup_steps: Optional[int] = None,
+                         min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True, backend: Optional[str] = None,
+                         schedule=None, transform=None):  # fmt: skip
+    """``hvd.DistributedOptimizer`` that also takes ``TopK`` and ``TwoBit``.
+
+    The first ten arguments are Horovod's, with Horovod's meaning; ``compression`` is a gradcomp
+    compressor instance or a Horovod compression class. The rest are the engine's
+    (:class:`gradcomp.engine.Engine`; defaults in :mod:`gradcomp.settings`). Each parameter (or
+    group of ``groups``, compressed as one flat tensor) is compressed with error feedback keyed
+    by its name once backward has run ``backward_passes_per_step`` times, its payload allgathered
+    (summable payloads: allreduced), and ``synchronize()`` writes the rank-ordered float32
+    average into ``p.grad``. ``op=hvd.Sum`` gives the average times the world size.
+
+    Example::
+        >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                            named_parameters=model.named_parameters(),
+        ...                            compression=gradcomp.TopK(0.01), warmup_steps=5)
+    """
+    compressor = as_compressor(compression)
+    groups = check_horovod_arguments(num_groups, groups, backward_passes_per_step, op, gradient_predivide_factor)
+    engine_settings = dict(warmup_steps=warmup_steps, min_numel=min_numel, error_feedback=error_feedback,
+                           backend=backend, schedule=schedule, transform=transform)
+    if compressor is None or (op not in (Average, Sum) and compressor.summable):
+        defaults = dict(warmup_steps=None, min_numel=DEFAULT_MIN_NUMEL, error_feedback=True, backend=None,
+                        schedule=None, transform=None)
+        changed = sorted(k for k, v in engine_settings.items() if v is not defaults[k] and v != defaults[k])
+        if changed:
+            warnings.warn(f"gradcomp: {changed} have no effect when hvd.DistributedOptimizer does the exchange")
+        horovod_compression = compression if compressor is None else Compression.wrap(compressor)
+        return hvd.DistributedOptimizer(optimizer, named_parameters, horovod_compression, backward_passes_per_step,
+                                        op, gradient_predivide_factor, 0, groups, sparse_as_dense, process_set)
+    if op not in (Average, Sum):
+        raise ValueError(
+            f"op={op!r} cannot combine {compressor!r} payloads: each rank's payload is decoded and the "
+            "results are averaged (op=hvd.Average) or summed (op=hvd.Sum). Use one of those, or a "
+            "summable compression with hvd.DistributedOptimizer for other ops.")
+    if named_parameters is None and error_feedback and compressor.uses_error_feedback:
+        raise ValueError(
+            f"{compressor!r} keeps error-feedback residuals keyed by parameter name, so that they are "
+            "saved and restored by name; pass named_parameters=model.named_parameters() (or error_feedback=False).")
+    engine = Engine(compressor, HorovodTransport(process_set, op, gradient_predivide_factor), **engine_settings)
+    engine.agreement_steps = ()  # checked once at construction instead
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    # hvd.broadcast_optimizer_state recognises a distributed optimizer by its module and then
+    # initialises state with the wrapped class's step() instead of ours, which would start an
+    # exchange. Claim Horovod's module so that it treats this one the same way.
+    cls.__module__ = _hvd_optimizer.DistributedOptimizer.__module__
+    distributed = cls(optimizer.param_groups, named_parameters, engine, backward_passes_per_step, op, groups,
+                      sparse_as_dense, process_set)
+    distributed.state.update(optimizer.state)  # keep what the wrapped optimizer accumulated
+    return distributed
