@@ -158,3 +158,37 @@ def dying_rank_run(rank, world_size, spec, die_at):
         except Exception as error:  # what the user would see
             return {"error": f"{type(error).__name__}: {error}", "step": step, "seconds": time.monotonic() - started}
     return {"error": None}
+
+
+# -- ranks that disagree (tests/test_agreement.py) ---------------------------------------------------
+def _disagreeing_step(rank, compressor, state_kwargs, steps=3):
+    """Train ``steps`` steps with settings that may differ per rank; the error each rank got."""
+    from gradcomp.engine import SettingsMismatchError
+
+    model = make_model("mlp")
+    ddp = DDP(model)
+    state = gc_ddp.register(ddp, compressor, **state_kwargs)
+    started = time.monotonic()
+    for step in range(steps):
+        try:
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+        except Exception as error:  # what the user would see
+            cause = error
+            while cause is not None and not isinstance(cause, SettingsMismatchError):
+                cause = cause.__cause__ or cause.__context__
+            return {"error": f"{type(error).__name__}: {error}", "mismatch": cause is not None, "step": step,
+                    "seconds": time.monotonic() - started}
+    return {"error": None, "stats": state.stats()}
+
+
+def disagreement_run(rank, world_size, cases):
+    """For each case ``(label, settings of rank 0, settings of rank 1)`` (each ``(spec, state
+    kwargs)``), train a fresh DDP model with this rank's settings; the last case should agree."""
+    from gradcomp.compressors import from_spec
+
+    results = {}
+    for label, *per_rank in cases:
+        spec, kwargs = per_rank[rank]
+        results[label] = _disagreeing_step(rank, from_spec(spec), kwargs)
+    return results
