@@ -51,7 +51,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from gradcomp.backends import BACKENDS, KERNELS, is_available
+from gradcomp.backends import BACKENDS, KERNELS, OPS, is_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DISTS = ("gaussian", "student_t2")
@@ -163,7 +163,6 @@ def bench_case(backend, device, op, n, dtype, dist, density, args, generator) ->
     }
 
 
-OPS = ("twobit_compress", "twobit_decompress_add", "topk_compress", "topk_decompress_add")
 HEADER = (f"{'op':24s} {'backend':7s} {'dtype':9s} {'dist':10s} {'density':>7s} {'median ms':>10s} "
           f"{'GB/s':>7s} {'floor%':>7s} {'speedup':>8s}")
 

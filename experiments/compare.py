@@ -1,8 +1,8 @@
 """The comparison: gradient-communication methods x link rates x workloads.
 
-Every run is ``train.py`` in a fresh set of processes (``--nproc`` ranks x ``--threads``
-threads, default 2 x 1), inside a tbf-shaped network namespace for shaped links
-(``netem.py``). Results go to ``--out`` (default ``results/``):
+Every run is ``experiments.train`` in a fresh set of processes (``--nproc`` ranks x
+``--threads`` threads, default 2 x 1), inside a tbf-shaped network namespace for shaped
+links (``experiments.netem``). Results go to ``--out`` (default ``results/``):
 
 * ``runs/<workload>__<link>__<method>.jsonl`` (and ``.out``): each run's log and output;
 * ``summary.json`` (a list of records, one per run), ``summary.csv``, ``meta.json``;
@@ -43,8 +43,8 @@ deterministic given the seed).
 
 Example::
 
-    python experiments/compare.py --quick --out results/
-    python experiments/compare.py --links unshaped,1gbit,100mbit --methods noop,dense,topk --workloads digits
+    python -m experiments.compare --quick --out results/
+    python -m experiments.compare --links unshaped,1gbit,100mbit --methods noop,dense,topk --workloads digits
 """
 from __future__ import annotations
 
@@ -62,27 +62,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from experiments import netem
+from experiments.catalog import ALL_METHODS, RECORD_FIELDS, TIMING_METHODS, link_key, read_log
 
-import netem  # noqa: E402
-
-TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
-TIMING_METHODS = ("noop", "dense", "fp16", "powersgd", "topk", "twobit")
-ALL_METHODS = TIMING_METHODS + ("topk-noef", "twobit-noef")
+# The runs start the runner as a module of this package, from the directory that holds it,
+# wherever --out points.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_MODULE = "experiments.train"
 DEFAULT_LINKS = ("unshaped", "1gbit")
 WARMUP_SKIP = 5  # steps left out of medians (capped at half the run)
-RECORD_FIELDS = (
-    "workload", "method", "link", "link_requested", "shaped", "link_fallback", "status",
-    "steps", "step_time_s", "step_time_over_floor", "compute_s", "compress_s", "comm_s",
-    "bytes_per_step", "dense_bytes_per_step", "compression_ratio", "wire_bytes_per_step",
-    "final_loss", "final_train_loss", "accuracy", "train_time_s", "twobit_threshold",
-    "params", "nproc", "threads", "wall_s", "load_avg_1m", "log",
-)  # fmt: skip
 
 
 @dataclass
 class WorkloadPlan:
-    """One workload of a comparison: which ``train.py`` arguments, how long, which methods."""
+    """One workload of a comparison: which ``experiments.train`` arguments, how long, which methods."""
 
     name: str
     train_args: List[str]
@@ -134,20 +127,29 @@ class Run:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.compare",
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_const", dest="mode", const="quick", help="the default; ~12 minutes")
     mode.add_argument("--full", action="store_const", dest="mode", const="full", help="longer runs; hours")
     mode.add_argument("--tiny", action="store_const", dest="mode", const="tiny", help="a smoke test; ~1 minute")
     parser.add_argument("--out", default="results", help="output directory (default results/)")
-    parser.add_argument("--links", help=f"comma-separated tc rates or 'unshaped' (default {','.join(DEFAULT_LINKS)}; tiny: unshaped)")
-    parser.add_argument("--methods", help=f"comma-separated subset of {','.join(ALL_METHODS)} (noop, the floor, is always run)")
+    parser.add_argument(
+        "--links", help=f"comma-separated tc rates or 'unshaped' (default {','.join(DEFAULT_LINKS)}; tiny: unshaped)"
+    )
+    parser.add_argument(
+        "--methods", help=f"comma-separated subset of {','.join(ALL_METHODS)} (noop, the floor, is always run)"
+    )
     parser.add_argument("--workloads", help="comma-separated subset of the mode's workloads")
     parser.add_argument("--steps", type=int, help="steps for every run (overrides the mode)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ratio", type=float, default=0.01, help="top-k ratio (default 0.01)")
+    parser.add_argument(
+        "--density", "--ratio", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
+    )
     parser.add_argument("--run-timeout", type=float, help="seconds per run (default: from steps and workload)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
@@ -213,13 +215,13 @@ def _timeout_for(run: Run, args) -> float:
 
 
 def execute(run: Run, args, runs_dir: str) -> dict:
-    """Run one ``train.py`` over its link; return its record (without floor-relative fields)."""
+    """Run one ``experiments.train`` over its link; return its record (without floor-relative fields)."""
     stem = f"{run.plan.name}__{run.link_name}__{run.method}"
     run.log = os.path.join(runs_dir, stem + ".jsonl")
     timeout = _timeout_for(run, args)
     command = [
-        sys.executable, TRAIN_PY, *run.plan.train_args,
-        "--compressor", run.method, "--ratio", str(args.ratio), "--steps", str(run.steps),
+        sys.executable, "-m", TRAIN_MODULE, *run.plan.train_args,
+        "--compressor", run.method, "--density", repr(args.density), "--steps", str(run.steps),
         "--seed", str(args.seed), "--nproc", str(args.nproc), "--threads", str(args.threads),
         "--eval-every", str(run.plan.eval_every if run.steps > run.plan.eval_every else 0),
         "--log", run.log, "--no-progress", "--max-time", str(timeout - 15), "--timeout", "300",
@@ -231,7 +233,9 @@ def execute(run: Run, args, runs_dir: str) -> dict:
     with netem.link(run.rate) as link, open(os.path.join(runs_dir, stem + ".out"), "w") as output:
         env = link.env()
         env["PYTHONUNBUFFERED"] = "1"
-        status = netem.run_bounded(link.command(command), timeout=timeout, env=env, stdout=output, stderr=subprocess.STDOUT)
+        status = netem.run_bounded(
+            link.command(command), timeout=timeout, env=env, cwd=PACKAGE_ROOT, stdout=output, stderr=subprocess.STDOUT
+        )
         link_fields = link.record()
     wall = time.monotonic() - started
     record = summarize_log(run.log)
@@ -248,21 +252,6 @@ def execute(run: Run, args, runs_dir: str) -> dict:
         log=os.path.relpath(run.log, os.path.dirname(runs_dir)),
     )
     return record
-
-
-def read_log(path: str) -> List[dict]:
-    """The records of a ``train.py`` log (missing or truncated files give what is there)."""
-    records = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-    except FileNotFoundError:
-        pass
-    return records
 
 
 def _median(values: List[float]) -> Optional[float]:
@@ -295,13 +284,6 @@ def summarize_log(path: str) -> dict:
     sent, dense = out["bytes_per_step"], out["dense_bytes_per_step"]
     out["compression_ratio"] = dense / sent if sent and dense else None
     return out
-
-
-def link_key(record: dict) -> str:
-    """How a record's link is shown: its label, or ``unshaped (asked 1gbit)`` on fallback."""
-    if record.get("link_fallback"):
-        return f"unshaped (asked {record.get('link_requested')})"
-    return record["link"]
 
 
 def add_floor_fields(records: List[dict]) -> None:
@@ -394,14 +376,15 @@ def write_results(out: str, records: List[dict], meta: dict) -> str:
         "* **× noop floor**: ÷ the step time of torch's `noop_hook` (no communication) on the same workload and link.",
         "* **compute** = the noop step time; **compress** = time inside the compression hook on the training thread "
         "(gradcomp: its own timer; fp16/PowerSGD: the hook's synchronous part, so PowerSGD's matmuls in its "
-        "callbacks count as comm); **comm** = step − compute − compress (exposed communication, decompression, waiting).",
-        "* **sent MB/step**: bytes each rank hands to collectives per step; with 2 ranks equal to its bytes on the wire. "
-        "**wire MB/step**: measured on the namespace loopback (shaped links only), per rank.",
+        "callbacks count as comm); **comm** = step − compute − compress (exposed communication, decompression, "
+        "waiting).",
+        "* **sent MB/step**: bytes each rank hands to collectives per step; with 2 ranks equal to its bytes on the "
+        "wire. **wire MB/step**: measured on the namespace loopback (shaped links only), per rank.",
         "* **links**: a tbf-shaped loopback in a private network namespace; both ranks share it, so the rate is the "
         "aggregate of both directions (a shared medium, harsher than full-duplex NICs of that rate).",
         "* **held-out loss**: charlm: nats per byte on held-out stdlib files; digits: test cross-entropy. The noop "
         "run does not average gradients, so its loss is not a data-parallel result.",
-        "* 2-bit threshold: 4 × the RMS of the averaged gradient after the dense warm-up (see train.py).",
+        "* 2-bit threshold: 4 × the RMS of the averaged gradient after the dense warm-up (see experiments/train.py).",
     ]
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(notes) + "\n")
@@ -413,7 +396,7 @@ def main(argv=None) -> int:
     resolve_links(args)
     runs = plan_runs(args)
     if not runs:
-        print("compare.py: nothing to run (check --methods/--workloads)", file=sys.stderr)
+        print("compare: nothing to run (check --methods/--workloads)", file=sys.stderr)
         return 2
     out = os.path.abspath(args.out)
     runs_dir = os.path.join(out, "runs")
@@ -434,16 +417,21 @@ def main(argv=None) -> int:
         "load_before": round(os.getloadavg()[0], 2),
         "command": " ".join(sys.argv),
     }
-    print(f"compare.py: {len(runs)} runs ({args.mode}) -> {out}", flush=True)
+    print(f"compare: {len(runs)} runs ({args.mode}) -> {out}", flush=True)
     started = time.monotonic()
     records = []
     for index, run in enumerate(runs, 1):
-        print(f"[{index}/{len(runs)}] {run.plan.name:13s} {run.link_name:9s} {run.method:12s} {run.steps:5d} steps ...", end=" ", flush=True)
+        print(
+            f"[{index}/{len(runs)}] {run.plan.name:13s} {run.link_name:9s} {run.method:12s} {run.steps:5d} steps ...",
+            end=" ",
+            flush=True,
+        )
         record = execute(run, args, runs_dir)
         records.append(record)
         print(
             f"{record['status']} in {record['wall_s']:.0f}s: step {_fmt(record.get('step_time_s'))} s, "
-            f"held-out loss {_fmt(record.get('final_loss'))}" + (" [link fallback: unshaped]" if record.get("link_fallback") else ""),
+            f"held-out loss {_fmt(record.get('final_loss'))}"
+            + (" [link fallback: unshaped]" if record.get("link_fallback") else ""),
             flush=True,
         )
     add_floor_fields(records)
@@ -451,7 +439,7 @@ def main(argv=None) -> int:
     meta["load_after"] = round(os.getloadavg()[0], 2)
     table = write_results(out, records, meta)
     if not args.no_plots:
-        import plots
+        from experiments import plots  # matplotlib only when plots are asked for
 
         for path in plots.make_plots(records, out):
             print(f"plot: {os.path.relpath(path)}")
@@ -459,10 +447,12 @@ def main(argv=None) -> int:
     print(table)
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
-        print(f"\ncompare.py: {len(failed)} run(s) did not finish; see {runs_dir}/*.out", file=sys.stderr)
+        print(f"\ncompare: {len(failed)} run(s) did not finish; see {runs_dir}/*.out", file=sys.stderr)
     fallback = [r for r in records if r.get("link_fallback")]
     if fallback:
-        netem.warn_unshaped(",".join(sorted({r["link_requested"] for r in fallback})), fallback[0]["link_fallback_reason"])
+        netem.warn_unshaped(
+            ",".join(sorted({r["link_requested"] for r in fallback})), fallback[0]["link_fallback_reason"]
+        )
     return 1 if failed else 0
 
 

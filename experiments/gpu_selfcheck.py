@@ -27,8 +27,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from gradcomp.backends import OPS
+
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-OPS = ("twobit_compress", "twobit_decompress_add", "topk_compress", "topk_decompress_add")
 
 
 # --- correctness ------------------------------------------------------------------

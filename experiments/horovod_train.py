@@ -1,18 +1,18 @@
 """Horovod training example: one workload, one gradient-communication method.
 
-Run it under horovodrun (2 ranks over Gloo on this machine)::
+Run it under horovodrun from the repository root (2 ranks over Gloo on this machine)::
 
     horovodrun -np 2 --gloo -H localhost:2 \\
-        python experiments/horovod_train.py --compressor topk --ratio 0.01 --steps 50
+        python -m experiments.horovod_train --compressor topk --density 0.01 --steps 50
 
 Methods (``--compressor``):
 
 =============  ===============================================================================
 ``dense``      ``hvd.DistributedOptimizer`` with no compression (Horovod's allreduce)
 ``fp16``       ``hvd.DistributedOptimizer(compression=gradcomp.hooks.horovod.Compression.fp16)``
-``topk``       ``gradcomp.hooks.horovod.DistributedOptimizer`` with ``TopK(--ratio)``
-``twobit``     ``gradcomp.hooks.horovod.DistributedOptimizer`` with ``TwoBit(--threshold)``
-``bf16``       ``gradcomp.hooks.horovod.DistributedOptimizer`` with ``BF16()`` (allgathered:
+``topk``       ``gradcomp.hooks.horovod.DistributedOptimizer`` with ``from_spec("topk:<--density>")``
+``twobit``     ``gradcomp.hooks.horovod.DistributedOptimizer`` with ``from_spec("twobit:<--threshold>")``
+``bf16``       ``gradcomp.hooks.horovod.DistributedOptimizer`` with ``from_spec("bf16")`` (allgathered:
                Horovod 0.28.1 cannot allreduce bfloat16)
 =============  ===============================================================================
 
@@ -20,7 +20,7 @@ Methods (``--compressor``):
 step: the loss averaged over ranks, the bytes this rank handed to collectives, the bytes
 a dense float32 allreduce would have handed over, their ratio and the step time. The
 workloads (scikit-learn's digits, or a character LM on the standard library's source)
-need no download; see ``experiments/workloads.py``.
+need no download; see :mod:`experiments.workloads`.
 """
 from __future__ import annotations
 
@@ -34,12 +34,15 @@ import time
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        prog="python -m experiments.horovod_train",
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workload", choices=("digits", "charlm"), default="digits")
     parser.add_argument("--small", action="store_true", help="charlm: the small preset")
     parser.add_argument("--compressor", choices=("dense", "fp16", "topk", "twobit", "bf16"), default="topk")
-    parser.add_argument("--ratio", type=float, default=0.01, help="top-k: fraction of entries sent (default 0.01)")
+    parser.add_argument(
+        "--density", "--ratio", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
+    )
     parser.add_argument(
         "--threshold", default="auto",
         help="2-bit threshold: a positive number, or 'auto' (default): the RMS of the first "
@@ -53,18 +56,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, help="per-rank batch (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch/OpenMP/numba threads per rank")
-    parser.add_argument("--backend", choices=("torch", "numba", "cuda"), help="gradcomp kernel backend override")
+    parser.add_argument("--backend", help="gradcomp kernel backend override (one of gradcomp.backends.BACKENDS)")
     parser.add_argument("--log", help="JSON-lines log written by rank 0")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
-    if args.threshold != "auto":
+    if args.threshold not in ("auto", "rms"):
         try:
             args.threshold = float(args.threshold)
         except ValueError:
-            parser.error(f"--threshold must be a positive number or 'auto', got {args.threshold!r}")
+            args.threshold = math.nan
         if not args.threshold > 0 or not math.isfinite(args.threshold):
-            parser.error(f"--threshold must be a positive number or 'auto', got {args.threshold!r}")
+            parser.error(f"--threshold must be a positive number, 'rms' or 'auto', got {args.threshold!r}")
+    if args.backend is not None:
+        from gradcomp.backends import BACKENDS
+
+        if args.backend not in BACKENDS:
+            parser.error(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
     return args
 
 
@@ -73,15 +81,12 @@ def main(argv=None) -> int:
     # Before torch is imported: one thread per rank unless asked otherwise.
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ.setdefault(name, str(args.threads))
+    import horovod.torch as hvd
     import torch
 
-    import horovod.torch as hvd
-
-    import gradcomp
+    from experiments import workloads
+    from gradcomp.compressors import from_spec
     from gradcomp.hooks import horovod as gc_hvd
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import workloads
 
     torch.set_num_threads(args.threads)
     hvd.init()
@@ -109,7 +114,7 @@ def main(argv=None) -> int:
         stock_bytes = sum(p.numel() * (wire_size or p.element_size()) for p in model.parameters() if p.requires_grad)
     else:
         if args.compressor == "topk":
-            compressor = gradcomp.TopK(args.ratio)
+            compressor = from_spec(f"topk:{args.density!r}")
         elif args.compressor == "twobit":
             threshold = args.threshold
             if threshold == "auto":
@@ -120,9 +125,9 @@ def main(argv=None) -> int:
                 local_rms = torch.cat(grads).pow(2).mean().sqrt().reshape(1)
                 threshold = float(hvd.allreduce(local_rms, op=hvd.Average, name="gradcomp.threshold"))
                 model.zero_grad(set_to_none=True)
-            compressor = gradcomp.TwoBit(threshold)
+            compressor = from_spec(f"twobit:{threshold!r}" if isinstance(threshold, float) else f"twobit:{threshold}")
         else:
-            compressor = gradcomp.BF16()
+            compressor = from_spec(args.compressor)
         optimizer = gc_hvd.DistributedOptimizer(
             optimizer, named_parameters=named, compression=compressor, warmup_steps=args.warmup_steps,
             min_numel=args.min_numel, error_feedback=not args.no_ef, backend=args.backend,

@@ -26,11 +26,11 @@ loopback, prints a loud warning, and marks the result (``link="unshaped"``,
 Example::
 
     with link("1gbit") as shaped:
-        run_bounded(shaped.command([sys.executable, "train.py"]), env=shaped.env(), timeout=600)
+        run_bounded(shaped.command([sys.executable, "-m", "experiments.train"]), env=shaped.env(), timeout=600)
 
-    python experiments/netem.py --rate 1gbit --check            # measure the shaped rate
-    python experiments/netem.py --rate 100mbit -- python experiments/train.py ...
-    python experiments/netem.py --clean                         # remove stale namespaces
+    python -m experiments.netem --rate 1gbit --check            # measure the shaped rate
+    python -m experiments.netem --rate 100mbit -- python -m experiments.train ...
+    python -m experiments.netem --clean                         # remove stale namespaces
 """
 from __future__ import annotations
 
@@ -297,7 +297,10 @@ def measure_gbit_s(shaped: Link, nbytes: int = 64 << 20, timeout: float = 60.0) 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Run a command over an emulated link (a tbf-shaped loopback in a private namespace).")
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.netem",
+        description="Run a command over an emulated link (a tbf-shaped loopback in a private namespace)."
+    )
     parser.add_argument("--rate", default=UNSHAPED, help="tc rate such as 1gbit, 100mbit; 'unshaped' for none")
     parser.add_argument("--check", action="store_true", help="measure the link's TCP throughput")
     parser.add_argument("--clean", action="store_true", help="delete stale gcnetem-* namespaces and exit")

@@ -1,4 +1,4 @@
-"""Plots of a comparison (``compare.py``'s ``summary.json`` and run logs), as PNG files.
+"""Plots of a comparison (``experiments.compare``'s ``summary.json`` and run logs), as PNG files.
 
 Per workload:
 
@@ -14,7 +14,7 @@ Per workload:
 
 Example::
 
-    python experiments/plots.py results/        # re-draw from results/summary.json
+    python -m experiments.plots results/        # re-draw from results/summary.json
 """
 from __future__ import annotations
 
@@ -30,37 +30,28 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from experiments.catalog import METHODS, link_key, method_order, read_log  # noqa: E402
 
-# One colour per method across every figure; the no-EF variants share their method's
-# colour with a dashed line.
-COLORS = {
-    "noop": "#7f7f7f",
-    "dense": "#1f77b4",
-    "fp16": "#17becf",
-    "powersgd": "#9467bd",
-    "topk": "#d62728",
-    "twobit": "#2ca02c",
-    "topk-noef": "#d62728",
-    "twobit-noef": "#2ca02c",
-}
-METHOD_ORDER = ("noop", "dense", "fp16", "powersgd", "topk", "twobit", "topk-noef", "twobit-noef")
-PARTS = (("compute_s", "compute", "#c7c7c7"), ("compress_s", "compression", "#ff9f40"), ("comm_s", "communication", "#4a90d9"))
-
-
-def _link_key(record: dict) -> str:
-    if record.get("link_fallback"):
-        return f"unshaped (asked {record.get('link_requested')})"
-    return record["link"]
+PARTS = (
+    ("compute_s", "compute", "#c7c7c7"),
+    ("compress_s", "compression", "#ff9f40"),
+    ("comm_s", "communication", "#4a90d9"),
+)
 
 
 def _ordered(records: List[dict]) -> List[dict]:
-    rank = {m: i for i, m in enumerate(METHOD_ORDER)}
-    return sorted(records, key=lambda r: rank.get(r["method"], len(rank)))
+    return sorted(records, key=lambda r: method_order(r["method"]))
+
+
+def _color(method: str) -> str:
+    return METHODS[method].color if method in METHODS else "black"
 
 
 def _style(method: str) -> dict:
-    return {"color": COLORS.get(method, "black"), "linestyle": "--" if method.endswith("-noef") else "-"}
+    """One colour per method across every figure; the no-EF variants share their
+    method's colour, dashed."""
+    dashed = method in METHODS and METHODS[method].dashed
+    return {"color": _color(method), "linestyle": "--" if dashed else "-"}
 
 
 def _ema(values: List[float], decay: float) -> List[float]:
@@ -71,14 +62,8 @@ def _ema(values: List[float], decay: float) -> List[float]:
     return out
 
 
-def _read_log(path: str) -> List[dict]:
-    from compare import read_log
-
-    return read_log(path)
-
-
 def _loss_series(record: dict, out_dir: str):
-    records = _read_log(os.path.join(out_dir, record["log"]))
+    records = read_log(os.path.join(out_dir, record["log"]))
     steps = [r for r in records if r.get("event") == "step"]
     evals = [r for r in records if r.get("event") == "eval"]
     return steps, evals
@@ -101,7 +86,7 @@ def plot_loss_vs_step(workload: str, records: List[dict], out_dir: str) -> Optio
     by_link: Dict[str, List[dict]] = {}
     for r in records:
         if r["method"] != "noop":
-            by_link.setdefault(_link_key(r), []).append(r)
+            by_link.setdefault(link_key(r), []).append(r)
     if not by_link:
         return None
     link = max(by_link, key=lambda k: len(by_link[k]))
@@ -110,10 +95,27 @@ def plot_loss_vs_step(workload: str, records: List[dict], out_dir: str) -> Optio
         steps, evals = _loss_series(r, out_dir)
         if steps:
             losses = [s["loss"] for s in steps]
-            train_ax.plot([s["step"] + 1 for s in steps], _ema(losses, _decay_for(len(losses))), label=r["method"], lw=1.5, **_style(r["method"]))
+            train_ax.plot(
+                [s["step"] + 1 for s in steps],
+                _ema(losses, _decay_for(len(losses))),
+                label=r["method"],
+                lw=1.5,
+                **_style(r["method"]),
+            )
         if evals:
-            eval_ax.plot([e["step"] + 1 for e in evals], [e["eval_loss"] for e in evals], marker="o", ms=4, label=r["method"], **_style(r["method"]))
-    train_ax.set(xlabel="steps completed", ylabel="training loss (rank 0, EMA-smoothed)", title=f"{workload}: training loss ({link})")
+            eval_ax.plot(
+                [e["step"] + 1 for e in evals],
+                [e["eval_loss"] for e in evals],
+                marker="o",
+                ms=4,
+                label=r["method"],
+                **_style(r["method"]),
+            )
+    train_ax.set(
+        xlabel="steps completed",
+        ylabel="training loss (rank 0, EMA-smoothed)",
+        title=f"{workload}: training loss ({link})",
+    )
     eval_ax.set(xlabel="steps completed", ylabel="held-out loss", title=f"{workload}: held-out loss ({link})")
     for ax in (train_ax, eval_ax):
         ax.grid(alpha=0.3)
@@ -122,17 +124,27 @@ def plot_loss_vs_step(workload: str, records: List[dict], out_dir: str) -> Optio
 
 
 def plot_loss_vs_time(workload: str, records: List[dict], out_dir: str) -> Optional[str]:
-    links = list(dict.fromkeys(_link_key(r) for r in records))
+    links = list(dict.fromkeys(link_key(r) for r in records))
     if not links:
         return None
     fig, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.5), squeeze=False)
     for ax, link in zip(axes[0], links):
-        for r in _ordered([r for r in records if _link_key(r) == link and r["method"] != "noop"]):
+        for r in _ordered([r for r in records if link_key(r) == link and r["method"] != "noop"]):
             steps, _ = _loss_series(r, out_dir)
             if steps:
                 losses = [s["loss"] for s in steps]
-                ax.plot([s["train_time_s"] for s in steps], _ema(losses, _decay_for(len(losses))), label=r["method"], lw=1.5, **_style(r["method"]))
-        ax.set(xlabel="training time (s, sum of step times)", ylabel="training loss (EMA-smoothed)", title=f"{workload}: loss vs time, link {link}")
+                ax.plot(
+                    [s["train_time_s"] for s in steps],
+                    _ema(losses, _decay_for(len(losses))),
+                    label=r["method"],
+                    lw=1.5,
+                    **_style(r["method"]),
+                )
+        ax.set(
+            xlabel="training time (s, sum of step times)",
+            ylabel="training loss (EMA-smoothed)",
+            title=f"{workload}: loss vs time, link {link}",
+        )
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
@@ -141,12 +153,14 @@ def plot_loss_vs_time(workload: str, records: List[dict], out_dir: str) -> Optio
 
 def plot_step_time(workload: str, records: List[dict], out_dir: str) -> Optional[str]:
     records = [r for r in records if r.get("step_time_s")]
-    links = list(dict.fromkeys(_link_key(r) for r in records))
+    links = list(dict.fromkeys(link_key(r) for r in records))
     if not links:
         return None
-    fig, axes = plt.subplots(1, len(links), figsize=(max(6, 1.1 * len(records) / len(links) + 2) * len(links), 4.5), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(links), figsize=(max(6, 1.1 * len(records) / len(links) + 2) * len(links), 4.5), squeeze=False
+    )
     for ax, link in zip(axes[0], links):
-        group = _ordered([r for r in records if _link_key(r) == link])
+        group = _ordered([r for r in records if link_key(r) == link])
         names = [r["method"] for r in group]
         bottoms = [0.0] * len(group)
         for key, label, color in PARTS:
@@ -192,16 +206,30 @@ def plot_bytes(workload: str, records: List[dict], out_dir: str) -> Optional[str
     names = [r["method"] for r in group]
     sent = [max(r["bytes_per_step"], 1.0) for r in group]
     fig, ax = plt.subplots(figsize=(max(6, 1.0 * len(group) + 2), 4.5))
-    ax.bar(names, sent, color=[COLORS.get(n, "black") for n in names])
+    ax.bar(names, sent, color=[_color(n) for n in names])
     wire = [(i, r["wire_bytes_per_step"]) for i, r in enumerate(group) if r.get("wire_bytes_per_step")]
     if wire:
-        ax.scatter([i for i, _ in wire], [w for _, w in wire], marker="_", s=600, color="black", zorder=3, label="measured on the shaped loopback (per rank)")
+        ax.scatter(
+            [i for i, _ in wire],
+            [w for _, w in wire],
+            marker="_",
+            s=600,
+            color="black",
+            zorder=3,
+            label="measured on the shaped loopback (per rank)",
+        )
     dense = next((r["dense_bytes_per_step"] for r in group if r.get("dense_bytes_per_step")), None)
     if dense:
         ax.axhline(dense, color="#1f77b4", ls=":", lw=1, label=f"dense fp32: {dense / 1e6:.2f} MB")
     for x, r in enumerate(group):
         ratio = r.get("compression_ratio")
-        ax.annotate(f"{r['bytes_per_step'] / 1e6:.3g} MB" + (f"\n{ratio:.0f}×" if ratio and ratio > 1.05 else ""), (x, sent[x]), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r['bytes_per_step'] / 1e6:.3g} MB" + (f"\n{ratio:.0f}×" if ratio and ratio > 1.05 else ""),
+            (x, sent[x]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_yscale("log")
     ax.set_ylim(min(sent) / 5, max(sent + [dense or 0]) * 8)
     ax.set(ylabel="bytes per step per rank (log scale)", title=f"{workload}: bytes on the wire per step")
@@ -226,8 +254,11 @@ def make_plots(records: List[dict], out_dir: str) -> List[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Draw the comparison plots from DIR/summary.json.")
-    parser.add_argument("out", nargs="?", default="results", help="the directory compare.py wrote (default results/)")
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.plots",description="Draw the comparison plots from DIR/summary.json.")
+    parser.add_argument(
+        "out", nargs="?", default="results", help="the directory the comparison wrote (default results/)"
+    )
     args = parser.parse_args(argv)
     with open(os.path.join(args.out, "summary.json")) as f:
         records = json.load(f)

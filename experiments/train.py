@@ -4,20 +4,9 @@ Runs over Gloo on CPU (NCCL when CUDA is available). It either spawns ``--nproc`
 ranks itself, or, when launched by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), runs as
 one of torchrun's ranks.
 
-Methods (``--compressor``):
-
-=============  ===============================================================================
-``dense``      DDP's built-in allreduce (no hook)
-``fp16``       torch's ``fp16_compress_hook``
-``powersgd``   torch's ``powerSGD_hook``, ``PowerSGDState(matrix_approximation_rank=4,
-               start_powerSGD_iter=2)``, error feedback and warm start on
-``noop``       torch's ``noop_hook``: no communication at all, so gradients are *not*
-               averaged. It is the compute floor for step times; its loss is not a
-               data-parallel result
-``topk``       gradcomp ``TopK(--ratio)`` with error feedback
-``twobit``     gradcomp ``TwoBit(--threshold)`` with error feedback
-``*-noef``     the same without error feedback (for convergence comparisons)
-=============  ===============================================================================
+Methods (``--compressor``): the table in :mod:`experiments.catalog`, which ``--help``
+prints. gradcomp's methods build their compressor from the registry:
+``from_spec("topk:<--density>")``, ``from_spec("twobit:<--threshold>")``.
 
 Timing. ``step_time_s`` is the wall time, on rank 0, of zero_grad + forward + backward +
 optimizer step. DDP waits for every bucket's communication future at the end of
@@ -26,7 +15,7 @@ synchronised before reading the clock). Data loading, logging and evaluation are
 it. ``train_time_s`` is the running sum of step times: the x axis of loss-vs-time plots.
 
 Breakdown. One run cannot separate computation from communication that overlaps it, so
-the split is made across runs (see ``compare.py``): ``compute`` is the median step time of
+the split is made across runs (see ``experiments.compare``): ``compute`` is the median step time of
 the ``noop`` run on the same workload and link; ``compress_s`` is measured here, per step,
 as the time on the calling thread inside the compression hook (gradcomp's own
 ``state.stats()`` for top-k/2-bit, a timer around torch's hook for fp16/PowerSGD; 0 for
@@ -36,17 +25,18 @@ Bytes. ``bytes_sent`` is what this rank handed to collectives in the step (allre
 the buffer; allgather: its own payload), ``dense_bytes`` what a dense fp32 allreduce
 would hand over. With 2 ranks both equal the bytes each rank actually puts on the wire
 (a ring allreduce sends ``2 (P-1)/P`` buffers, an allgather ``(P-1)`` payloads). Inside a
-private network namespace (``netem.py``) ``wire_bytes`` is also measured: the growth of
+private network namespace (``experiments.netem``) ``wire_bytes`` is also measured: the growth of
 the namespace loopback's ``tx_bytes`` during the step, divided by the world size.
 
 Log (``--log``, JSON lines, rank 0): one ``{"event": "config", ...}`` line, one
 ``{"event": "step", ...}`` per step, ``{"event": "eval", ...}`` lines, and a final
 ``{"event": "summary", ...}``.
 
-Example::
+Examples (from the repository root)::
 
-    python experiments/train.py --workload charlm --compressor topk --ratio 0.01 \\
+    python -m experiments.train --workload charlm --compressor topk --density 0.01 \\
         --steps 50 --log results/topk.jsonl
+    torchrun --nproc-per-node 2 -m experiments.train --workload digits --compressor twobit
 """
 from __future__ import annotations
 
@@ -62,39 +52,48 @@ import time
 import warnings
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from experiments.catalog import METHODS
 
-METHODS = ("dense", "fp16", "powersgd", "noop", "topk", "twobit", "topk-noef", "twobit-noef")
 GRADCOMP_WARMUP_STEPS = 2  # dense steps before compression starts (gradcomp and PowerSGD alike)
 # --threshold auto: t = AUTO_THRESHOLD_SCALE x RMS of the averaged gradient of the last
 # warm-up step (see choose_twobit_threshold).
 AUTO_THRESHOLD_SCALE = 4.0
-NETNS_ENV = "GRADCOMP_NETNS"  # set by netem.py: the name of the private namespace we run in
+NETNS_ENV = "GRADCOMP_NETNS"  # set by experiments.netem: the name of the private namespace we run in
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    methods = "\n".join(f"  {m.name:12s} {m.description}" for m in METHODS.values())
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.train",
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"methods (--compressor):\n{methods}",
+    )  # fmt: skip
     parser.add_argument("--workload", choices=("charlm", "digits"), default="charlm")
     parser.add_argument("--small", action="store_true", help="charlm: the small preset (d_model 128, 2 layers)")
     parser.add_argument("--d-model", type=int, help="charlm: override the preset's width")
     parser.add_argument("--layers", type=int, help="charlm: override the preset's depth")
     parser.add_argument("--heads", type=int, help="charlm: override the preset's heads")
     parser.add_argument("--context", type=int, help="charlm: override the preset's context length")
-    parser.add_argument("--compressor", choices=METHODS, default="dense")
-    parser.add_argument("--ratio", type=float, default=0.01, help="top-k: fraction of entries sent (default 0.01)")
+    parser.add_argument("--compressor", choices=tuple(METHODS), default="dense", help="the method (see below)")
+    parser.add_argument(
+        "--density", "--ratio", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
+    )
     parser.add_argument(
         "--threshold",
         default="auto",
-        help="2-bit threshold: a positive number, or 'auto' (default): "
-        "--threshold-scale x the RMS of the averaged gradient at the last dense warm-up step",
+        help="2-bit threshold: a positive number, 'rms' (per tensor and step, see gradcomp.TwoBit), or 'auto' "
+        "(default): --threshold-scale x the RMS of the averaged gradient at the last dense warm-up step",
     )
     parser.add_argument(
         "--threshold-scale", type=float, default=AUTO_THRESHOLD_SCALE,
-        help=f"2-bit with --threshold auto: the threshold in units of the gradient RMS (default {AUTO_THRESHOLD_SCALE})",
+        help="2-bit with --threshold auto: the threshold in units of the gradient RMS "
+        f"(default {AUTO_THRESHOLD_SCALE})",
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=100, help="training steps (every run is bounded)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="AdamW, or SGD with momentum 0.9")
+    parser.add_argument(
+        "--optimizer", choices=("adamw", "sgd"), default="adamw", help="AdamW, or SGD with momentum 0.9"
+    )
     parser.add_argument("--lr", type=float, help="peak learning rate (default: AdamW 1e-3, SGD 0.1)")
     parser.add_argument("--batch-size", type=int, help="per-rank batch (default: charlm 16, digits 32)")
     parser.add_argument("--lr-warmup", type=int, help="linear LR warm-up steps (default: min(20, steps // 10))")
@@ -105,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log", help="JSON-lines log written by rank 0")
     parser.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, seconds")
     parser.add_argument("--max-time", type=float, default=3600.0, help="wall-clock limit of the whole run, seconds")
-    parser.add_argument("--backend", choices=("torch", "numba", "cuda"), help="gradcomp kernel backend override")
+    parser.add_argument("--backend", help="gradcomp kernel backend override (one of gradcomp.backends.BACKENDS)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -114,13 +113,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--nproc and --threads must be >= 1")
     if not args.threshold_scale > 0 or not math.isfinite(args.threshold_scale):
         parser.error("--threshold-scale must be a positive number")
-    if args.threshold != "auto":
+    if args.threshold not in ("auto", "rms"):
         try:
             value = float(args.threshold)
         except ValueError:
-            parser.error(f"--threshold must be a positive number or 'auto', got {args.threshold!r}")
+            value = math.nan
         if not value > 0 or not math.isfinite(value):
-            parser.error(f"--threshold must be a positive number or 'auto', got {args.threshold!r}")
+            parser.error(f"--threshold must be a positive number, 'rms' or 'auto', got {args.threshold!r}")
+    if args.backend is not None:
+        # Only when asked: gradcomp imports torch, which the launching process otherwise avoids.
+        from gradcomp.backends import BACKENDS
+
+        if args.backend not in BACKENDS:
+            parser.error(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
     return args
 
 
@@ -159,7 +164,11 @@ class Telemetry:
     def end_step(self) -> dict:
         if self.gradcomp_state is not None:
             last = self.gradcomp_state.stats()["last_step"]
-            return {"bytes_sent": last["bytes_sent"], "dense_bytes": last["dense_bytes"], "compress_s": last["compress_s"]}
+            return {
+                "bytes_sent": last["bytes_sent"],
+                "dense_bytes": last["dense_bytes"],
+                "compress_s": last["compress_s"],
+            }
         sent = self._fixed_bytes if self._fixed_bytes is not None else self._bytes
         out = {"bytes_sent": sent, "dense_bytes": self.dense_bytes_per_step, "compress_s": self._compress_s}
         self._bytes, self._compress_s = 0, 0.0
@@ -218,7 +227,9 @@ def attach_method(model, method: str, args, dense_bytes: int):
     elif method == "noop":
         model.register_comm_hook(None, telemetry.wrap(debugging_hooks.noop_hook, lambda s, b: 0))
     elif method == "fp16":
-        model.register_comm_hook(None, telemetry.wrap(default_hooks.fp16_compress_hook, lambda s, b: b.buffer().numel() * 2))
+        model.register_comm_hook(
+            None, telemetry.wrap(default_hooks.fp16_compress_hook, lambda s, b: b.buffer().numel() * 2)
+        )
     elif method == "powersgd":
         state = powersgd.PowerSGDState(
             process_group=None,
@@ -230,25 +241,45 @@ def attach_method(model, method: str, args, dense_bytes: int):
             random_seed=args.seed,
         )
         model.register_comm_hook(state, in_bucket_order(telemetry.wrap(powersgd.powerSGD_hook, _powersgd_bytes)))
-    elif method in ("topk", "twobit", "topk-noef", "twobit-noef"):
-        import gradcomp
+    elif method in METHODS and METHODS[method].compressor:
         from gradcomp.hooks import ddp as gradcomp_ddp
 
-        base = method.split("-")[0]
-        # The 2-bit threshold may be chosen from the gradients after warm-up (see
-        # choose_twobit_threshold); until then a placeholder is never used, because the
-        # warm-up steps are dense.
-        compressor = gradcomp.TopK(args.ratio) if base == "topk" else gradcomp.TwoBit(1.0 if args.threshold == "auto" else float(args.threshold))
         telemetry.gradcomp_state = gradcomp_ddp.register(
             model,
-            compressor,
+            compressor_for(METHODS[method], args),
             warmup_steps=GRADCOMP_WARMUP_STEPS,
-            error_feedback=not method.endswith("-noef"),
+            error_feedback=METHODS[method].error_feedback,
             backend=args.backend,
         )
     else:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     return telemetry
+
+
+def compressor_for(method, args, setting=None):
+    """The gradcomp compressor of ``method`` (an :class:`experiments.catalog.Method`), from
+    the registry: its name and the ``train`` argument that sets it, or ``setting``.
+
+    ``--threshold auto`` is chosen from the gradients after warm-up (see
+    choose_twobit_threshold); until then the placeholder 1.0 is never used, because the
+    warm-up steps are dense.
+    """
+    from gradcomp.compressors import from_spec
+
+    if setting is None:
+        setting = getattr(args, method.setting)
+        if setting == "auto":
+            setting = 1.0
+    text = repr(setting) if isinstance(setting, float) else str(setting)  # repr: the exact double
+    return from_spec(f"{method.compressor}:{text}")
+
+
+def initial_twobit_threshold(threshold: str):
+    """The 2-bit threshold known before training: ``None`` for ``auto`` (chosen after the
+    warm-up), ``"rms"``, or the fixed number."""
+    if threshold in ("auto", "rms"):
+        return None if threshold == "auto" else threshold
+    return float(threshold)
 
 
 def warm_up_kernels(compressor, backend: Optional[str], device) -> float:
@@ -326,7 +357,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    import workloads
+    from experiments import workloads
 
     # A 1-channel conv's weight grad may get strides that differ from its bucket view;
     # DDP copies it correctly and warns once per rank, which is only noise here.
@@ -341,16 +372,19 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=args.timeout)
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=args.timeout))
     log = open(args.log, "w") if (rank == 0 and args.log) else None
     try:
         workload = workloads.build_workload(
             args.workload,
             seed=args.seed,
             small=args.small,
-            charlm_overrides={"d_model": args.d_model, "layers": args.layers, "heads": args.heads, "context": args.context},
+            charlm_overrides={
+                "d_model": args.d_model,
+                "layers": args.layers,
+                "heads": args.heads,
+                "context": args.context,
+            },
             eval_windows=args.eval_windows,
         )
         batch_size = args.batch_size or workload.default_batch_size
@@ -418,7 +452,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
             progress = tqdm(total=args.steps, desc=f"{args.workload}/{args.compressor}", unit="step", file=sys.stderr)
 
         train_time = 0.0
-        threshold = None if args.threshold == "auto" else float(args.threshold)
+        threshold = initial_twobit_threshold(args.threshold)
         step_times, losses = [], []
         for step in range(args.steps):
             for group in optimizer.param_groups:
@@ -456,10 +490,10 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
                 progress.set_postfix(loss=f"{loss_value:.3f}", step_s=f"{step_time:.3f}")
                 progress.update()
             if args.compressor.startswith("twobit") and args.threshold == "auto" and step == GRADCOMP_WARMUP_STEPS - 1:
-                import gradcomp
-
                 threshold = choose_twobit_threshold(net, args.threshold_scale)
-                telemetry.gradcomp_state.compressor = gradcomp.TwoBit(threshold)
+                # The engine asks for its base compressor anew at every step: from the next one on
+                # it compresses with the chosen threshold.
+                telemetry.gradcomp_state.engine.compressor = compressor_for(METHODS[args.compressor], args, threshold)
                 emit({"event": "threshold", "step": step, "threshold": threshold, "scale": args.threshold_scale})
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
                 evaluate(step, train_time)
@@ -529,11 +563,17 @@ def spawn(args: argparse.Namespace) -> int:
         while any(p.is_alive() for p in processes):
             failed = [p for p in processes if p.exitcode not in (None, 0)]
             if failed:
-                print(f"train.py: {failed[0].name} exited with status {failed[0].exitcode}; stopping the others", file=sys.stderr, flush=True)
+                print(
+                    f"train: {failed[0].name} exited with status {failed[0].exitcode}; stopping the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 _stop(processes)
                 return 1
             if time.monotonic() > deadline:
-                print(f"train.py: --max-time {args.max_time:.0f}s exceeded; stopping the ranks", file=sys.stderr, flush=True)
+                print(
+                    f"train: --max-time {args.max_time:.0f}s exceeded; stopping the ranks", file=sys.stderr, flush=True
+                )
                 _stop(processes)
                 return 124
             processes[0].join(timeout=0.5)
@@ -542,7 +582,7 @@ def spawn(args: argparse.Namespace) -> int:
         raise
     failed = [p for p in processes if p.exitcode != 0]
     if failed:
-        print(f"train.py: {failed[0].name} exited with status {failed[0].exitcode}", file=sys.stderr, flush=True)
+        print(f"train: {failed[0].name} exited with status {failed[0].exitcode}", file=sys.stderr, flush=True)
         return 1
     return 0
 

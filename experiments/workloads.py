@@ -85,7 +85,11 @@ def stdlib_corpus() -> Tuple[np.ndarray, np.ndarray, Dict[str, object]]:
     """
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
-        (p for p in root.rglob("*.py") if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)),
+        (
+            p
+            for p in root.rglob("*.py")
+            if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
+        ),
         key=lambda p: p.relative_to(root).as_posix(),
     )
     if not files:

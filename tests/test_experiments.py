@@ -12,14 +12,10 @@ from pathlib import Path
 
 import pytest
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-sys.path.insert(0, str(EXPERIMENTS))
+from experiments import catalog, compare, netem
 
-import compare  # noqa: E402
-import netem  # noqa: E402
-
-TRAIN = EXPERIMENTS / "train.py"
-COMPARE = EXPERIMENTS / "compare.py"
+# The experiments run as modules of the experiments package, from the repository root.
+ROOT = Path(__file__).resolve().parents[1]
 TINY_CHARLM = ["--workload", "charlm", "--small", "--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16",
                "--eval-windows", "8"]  # fmt: skip
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -35,8 +31,9 @@ def _env():
 def run_train(tmp_path, *args):
     log = tmp_path / "log.jsonl"
     result = subprocess.run(
-        [sys.executable, str(TRAIN), *args, "--log", str(log), "--no-progress", "--max-time", "150", "--timeout", "60"],
-        capture_output=True, text=True, timeout=200, env=_env(),
+        [sys.executable, "-m", "experiments.train", *args, "--log", str(log), "--no-progress", "--max-time", "150",
+         "--timeout", "60"],
+        capture_output=True, text=True, timeout=200, env=_env(), cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -87,8 +84,9 @@ def test_train_digits(tmp_path, method):
 def test_compare_tiny_writes_results_and_plots(tmp_path):
     out = tmp_path / "results"
     result = subprocess.run(
-        [sys.executable, str(COMPARE), "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=300, env=_env()
-    )
+        [sys.executable, "-m", "experiments.compare", "--tiny", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT,
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = json.loads((out / "summary.json").read_text())
     assert isinstance(records, list) and records
@@ -121,6 +119,56 @@ def test_compare_tiny_writes_results_and_plots(tmp_path):
         assert png.read_bytes()[:8] == PNG_MAGIC
         height, width = plt.imread(png).shape[:2]
         assert height > 200 and width > 200
+
+
+@pytest.mark.parametrize("module", ["compare", "train", "plots", "netem", "horovod_train"])
+def test_modules_run_with_dash_m_from_the_repository_root(module):
+    result = subprocess.run(
+        [sys.executable, "-m", f"experiments.{module}", "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("usage: ") and "--help" in result.stdout
+
+
+def test_train_help_lists_every_method_of_the_catalog():
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    for method in catalog.METHODS.values():
+        assert f"  {method.name:12s} {method.description[:20]}" in result.stdout
+
+
+def test_bad_arguments_are_refused_before_any_rank_starts():
+    for bad, message in [
+        (["--threshold", "fast"], "--threshold must be"),
+        (["--backend", "gpu"], "--backend must be one of"),
+    ]:
+        result = subprocess.run(
+            [sys.executable, "-m", "experiments.train", *bad], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_gradcomp_methods_build_their_compressor_from_the_registry():
+    from experiments import train
+
+    args = train.parse_args(["--compressor", "topk", "--density", "0.003", "--threshold", "0.02"])
+    assert train.compressor_for(catalog.METHODS["topk"], args).spec == "topk:0.003"
+    old_name = train.parse_args(["--compressor", "topk", "--ratio", "0.003"])  # --ratio: the older name
+    assert train.compressor_for(catalog.METHODS["topk"], old_name).spec == "topk:0.003"
+    assert train.compressor_for(catalog.METHODS["twobit-noef"], args).spec == "twobit:0.019999999552965164"
+    assert train.compressor_for(catalog.METHODS["twobit"], args, 0.25).spec == "twobit:0.25"
+    rms = train.parse_args(["--threshold", "rms"])
+    assert train.compressor_for(catalog.METHODS["twobit"], rms).spec == "twobit:rms"
+    auto = train.parse_args([])  # auto: a placeholder until the warm-up ends
+    assert train.compressor_for(catalog.METHODS["twobit"], auto).spec == "twobit:1.0"
+
+
+def test_catalog_orders_every_method_once():
+    assert catalog.ALL_METHODS[0] == "noop" and set(catalog.TIMING_METHODS) < set(catalog.ALL_METHODS)
+    assert catalog.GRADCOMP_METHODS == ("topk", "twobit", "topk-noef", "twobit-noef")
+    assert sorted(catalog.ALL_METHODS, key=catalog.method_order) == list(catalog.ALL_METHODS)
+    assert catalog.method_order("unknown") == len(catalog.ALL_METHODS)
 
 
 def test_plan_runs_puts_noop_first_and_noef_on_the_first_link_only():
@@ -184,7 +232,8 @@ def test_shaping_falls_back_loudly_without_root(monkeypatch, capsys):
 
 
 needs_root = pytest.mark.skipif(
-    netem.shaping_unavailable_reason() is not None, reason=f"link shaping unavailable: {netem.shaping_unavailable_reason()}"
+    netem.shaping_unavailable_reason() is not None,
+    reason=f"link shaping unavailable: {netem.shaping_unavailable_reason()}",
 )
 
 
@@ -197,7 +246,9 @@ def test_shaped_namespace_is_created_and_always_removed():
             name = link.namespace
             assert link.shaped and link.label == "200mbit" and name.startswith(netem.PREFIX + "-")
             assert name in netem.list_namespaces()
-            qdisc = subprocess.run(link.command(["tc", "qdisc", "show", "dev", "lo"]), capture_output=True, text=True, timeout=20)
+            qdisc = subprocess.run(
+                link.command(["tc", "qdisc", "show", "dev", "lo"]), capture_output=True, text=True, timeout=20
+            )
             assert "tbf" in qdisc.stdout and "200Mbit" in qdisc.stdout
             # Shaping is in effect: one TCP stream gets at most the rate (generous lower
             # bound: the machine may be busy).

@@ -1,0 +1,17 @@
+"""Runnable experiments, one module each, run from the repository root as
+``python -m experiments.NAME``:
+
+==================  ===============================================================
+``compare``         the main job: methods x link rates x workloads, tables and plots
+``train``           the DDP training runner (one method, N ranks over Gloo or NCCL)
+``horovod_train``   the same under ``horovodrun``, with gradcomp's Horovod optimizer
+``netem``           link emulation: a tbf-shaped loopback in a private network namespace
+``plots``           re-draws a comparison's plots from its ``summary.json``
+``bench_kernels``   every kernel op x backend x size, against the memory-bandwidth floor
+``gpu_selfcheck``   every CUDA kernel against the torch reference on a real GPU
+==================  ===============================================================
+
+Shared pieces: ``catalog`` (the methods, record fields and log reading) and
+``workloads`` (the models and data, none of which needs a download). This package is
+not installed; it imports gradcomp as installed (``pip install -e .``).
+"""
