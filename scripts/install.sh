@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install gradcomp and what one job needs, into the current Python.
 #   scripts/install.sh experiments   # the comparison experiment (the main job)
-#   scripts/install.sh test          # the test suite, Horovod (built from source) included
+#   scripts/install.sh test          # the test suite and its linter (ruff), Horovod (built from source) included
 set -euo pipefail
 cd "$(dirname "$0")/.."
 job=${1:-test}
@@ -16,7 +16,7 @@ fi
 case "$job" in
     experiments) "$python" -m pip install -q -e ".[experiments]" ;;
     test)
-        "$python" -m pip install -q -e ".[test]"
+        "$python" -m pip install -q -e ".[test,lint]"
         PYTHON="$python" scripts/build_horovod.sh
         ;;
     *) echo "usage: $0 {experiments|test}" >&2; exit 2 ;;

@@ -181,7 +181,9 @@ def from_spec(spec: Union[str, Compressor]) -> Compressor:
     try:
         name, positional, keywords = _split(spec)
     except ValueError as error:
-        raise ValueError(f"malformed compressor spec {spec!r}: {error}; expected 'name' or 'name:value,key=value'") from None
+        raise ValueError(
+            f"malformed compressor spec {spec!r}: {error}; expected 'name' or 'name:value,key=value'"
+        ) from None
     entry = _BY_NAME.get(name)
     if entry is None:
         raise ValueError(
