@@ -223,12 +223,34 @@ __device__ void topk_write(const typename T::storage* grad, const float* residua
   }
 }
 
+// Decoding is two launches, so that a payload a peer got wrong (or forged) writes nothing:
+//   topk_check_indices  -- counts into `bad` the positions whose index lies outside [0, n)
+//                          or does not exceed the index before it;
+//   topk_decompress_add -- returns at once unless `bad` is 0; then every index is in
+//                          [0, n) and unique, so no two threads touch the same element.
+// The decoder also skips any index outside [0, n) by itself, so it never writes outside
+// `out` whatever it is given. The host reads `bad` afterwards and raises if it is not 0.
+template <class Index>
+__device__ void topk_check_indices(const Index* indices, i64 k, i64 n, u64* bad) {
+  const i64 stride = (i64)gridDim.x * blockDim.x;
+  u64 count = 0;
+  for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < k; j += stride) {
+    const i64 i = (i64)indices[j];
+    const bool in_range = i >= 0 && i < n;
+    const bool increasing = j == 0 || i > (i64)indices[j - 1];
+    count += (in_range && increasing) ? 0u : 1u;
+  }
+  if (count != 0) atomicAdd(bad, count);
+}
+
 template <class T, class Index>
-__device__ void topk_decompress_add(const typename T::storage* values, const Index* indices, float* out, i64 k) {
-  // Indices within one payload are unique: no two threads touch the same element.
+__device__ void topk_decompress_add(const typename T::storage* values, const Index* indices, float* out, i64 k,
+                                    i64 n, const u64* bad) {
+  if (*bad != 0) return;  // a rejected payload writes nothing (every thread reads the same count)
   const i64 stride = (i64)gridDim.x * blockDim.x;
   for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < k; j += stride) {
     const i64 i = (i64)indices[j];
+    if (i < 0 || i >= n) continue;  // unreachable after a clean check; a bound whatever happens
     out[i] = out[i] + T::load(values[j]);
   }
 }
@@ -244,6 +266,16 @@ extern "C" __global__ void __launch_bounds__(GRADCOMP_MAX_THREADS)
 gradcomp_topk_select(const unsigned long long* histogram, int bins, int shift, unsigned long long* state,
                      long long k, int pass) {
   topk_select(histogram, bins, shift, state, k, pass);
+}
+
+extern "C" __global__ void __launch_bounds__(GRADCOMP_MAX_THREADS)
+gradcomp_topk_check_indices_i32(const int* indices, long long k, long long n, unsigned long long* bad) {
+  topk_check_indices<int>(indices, k, n, bad);
+}
+
+extern "C" __global__ void __launch_bounds__(GRADCOMP_MAX_THREADS)
+gradcomp_topk_check_indices_i64(const long long* indices, long long k, long long n, unsigned long long* bad) {
+  topk_check_indices<long long>(indices, k, n, bad);
 }
 
 #define GRADCOMP_TOPK_DTYPE_KERNELS(SUFFIX, TYPE)                                                                    \
@@ -271,12 +303,14 @@ gradcomp_topk_select(const unsigned long long* histogram, int bins, int shift, u
                                 indices);                                                                          \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(GRADCOMP_MAX_THREADS) gradcomp_topk_decompress_add_##SUFFIX##_i32(   \
-      const TYPE::storage* values, const int* indices, float* out, long long k) {                                  \
-    topk_decompress_add<TYPE, int>(values, indices, out, k);                                                       \
+      const TYPE::storage* values, const int* indices, float* out, long long k, long long n,                       \
+      const unsigned long long* bad) {                                                                             \
+    topk_decompress_add<TYPE, int>(values, indices, out, k, n, bad);                                               \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(GRADCOMP_MAX_THREADS) gradcomp_topk_decompress_add_##SUFFIX##_i64(   \
-      const TYPE::storage* values, const long long* indices, float* out, long long k) {                            \
-    topk_decompress_add<TYPE, long long>(values, indices, out, k);                                                 \
+      const TYPE::storage* values, const long long* indices, float* out, long long k, long long n,                 \
+      const unsigned long long* bad) {                                                                             \
+    topk_decompress_add<TYPE, long long>(values, indices, out, k, n, bad);                                         \
   }
 
 GRADCOMP_TOPK_DTYPE_KERNELS(f32, F32)

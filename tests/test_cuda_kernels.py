@@ -58,28 +58,7 @@ def _load_path(name: str, path: Path) -> types.ModuleType:
 cuda_emulator = _load_path("gradcomp_tests_cuda_emulator", TESTS_DIR / "emulation" / "cuda_emulator.py")
 
 
-def _load_cuda_ops_with_stub_cupy() -> types.ModuleType:
-    """``gradcomp/backends/cuda_ops.py`` as a private module, whatever is installed.
-
-    The launch plans it holds need no CuPy, but the module imports CuPy at the top (that is
-    how the registry learns the backend is unavailable). A stand-in ``cupy`` lets it load
-    here; the registry is restored afterwards, so the stand-in never serves a real op.
-    """
-    saved_cupy = sys.modules.get("cupy")
-    saved_kernels = dict(gradcomp.backends.KERNELS)
-    sys.modules["cupy"] = types.ModuleType("cupy")
-    try:
-        return _load_path("gradcomp_tests_cuda_ops_plans", SOURCE_DIR.parent / "gradcomp" / "backends" / "cuda_ops.py")
-    finally:
-        if saved_cupy is None:
-            del sys.modules["cupy"]
-        else:
-            sys.modules["cupy"] = saved_cupy
-        gradcomp.backends.KERNELS.clear()
-        gradcomp.backends.KERNELS.update(saved_kernels)
-
-
-cuda_ops = _load_cuda_ops_with_stub_cupy()
+cuda_ops = cuda_emulator.load_cuda_plans()
 # Tiny launches: 32-thread blocks and at most 3 blocks, so a few thousand elements already
 # wrap every grid-stride loop several times.
 TINY = cuda_ops.LaunchConfig(threads=32, max_blocks=3, histogram_blocks=3)

@@ -1,6 +1,17 @@
-"""Payload validation: every malformed payload a peer could send is rejected with a
-PayloadError naming the sender, and every payload a compressor produces is accepted."""
+"""Hostile payloads, one process: what a corrupt or malicious peer could send.
+
+* Payload validation (:mod:`gradcomp.validation`): every malformed payload is rejected with
+  a ``PayloadError`` naming the sender, and every payload a compressor produces is accepted.
+* Kernel level, on the torch and numba backends and the CUDA kernels in the CPU emulation:
+  out-of-range, negative, duplicate and unsorted indices, truncated and oversized buffers,
+  2-bit data where top-k is expected, random bytes. No crash, no write outside the output
+  (sentinels before and after it stay intact), a clear error, and nothing written at all
+  when the error is raised.
+
+The same with two real ranks under DDP is in ``test_hostile_peers.py``.
+"""
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradcomp
+import gradcomp.csrc
+from emulation import cuda_emulator
+from gradcomp.backends import KERNELS, is_available
+from gradcomp.backends import torch_ops  # noqa: F401  (registers the reference)
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import PayloadError, validate_gathered, validate_payload
 
@@ -159,3 +174,248 @@ def test_payload_error_keeps_rank_and_reason_through_pickling():
 
     error = pickle.loads(pickle.dumps(PayloadError("bad index", rank=1)))
     assert error.rank == 1 and error.reason == "bad index" and "rank 1" in str(error)
+
+
+# ==========================================================================================
+# Kernel level: every backend's decoder and wrapper, given what a hostile peer could send.
+# ==========================================================================================
+_HAS_NUMBA = is_available("numba", "cpu")
+if _HAS_NUMBA:
+    from gradcomp.backends.numba import ops as numba_ops  # noqa: F401  (registers the numba ops)
+
+_GUARD = 24  # elements of sentinel before and after every output
+
+
+@pytest.fixture(scope="module")
+def cuda_emulation():
+    """``(plans, launch, config)``: the CUDA backend's launch plans on the CPU emulation,
+    with tiny launches (32-thread blocks, at most 3 blocks) so every grid-stride loop wraps."""
+    try:
+        library = cuda_emulator.build(Path(gradcomp.csrc.__file__).resolve().parent)
+    except FileNotFoundError as error:  # no g++
+        pytest.skip(f"the CUDA emulation needs a C++20 compiler ({cuda_emulator.CXX}): {error}")
+    plans = cuda_emulator.load_cuda_plans()
+    config = plans.LaunchConfig(threads=32, max_blocks=3, histogram_blocks=3)
+    return plans, cuda_emulator.EmulatedLauncher(library), config
+
+
+BACKENDS = ["torch", "numba", "cuda-emulated"]
+
+
+def ops_for(backend, request):
+    """``{op: callable}`` with the registry's signatures for ``backend``."""
+    if backend == "numba" and not _HAS_NUMBA:
+        pytest.skip("numba is not installed")
+    if backend == "cuda-emulated":
+        plans, launch, config = request.getfixturevalue("cuda_emulation")
+        return {
+            "topk_decompress_add": lambda v, i, out: plans.plan_topk_decompress_add(launch, config, v, i, out),
+            "twobit_decompress_add": lambda c, t, out: plans.plan_twobit_decompress_add(launch, config, c, t, out),
+            "topk_compress": lambda g, ri, ro, v, i: plans.plan_topk_compress(launch, config, g, ri, ro, v, i),
+            "twobit_compress": lambda g, ri, ro, t, c: plans.plan_twobit_compress(launch, config, g, ri, ro, t, c),
+        }
+    return {op: KERNELS[(op, backend)] for op in ("topk_decompress_add", "twobit_decompress_add", "topk_compress",
+                                                  "twobit_compress")}
+
+
+class GuardedOut:
+    """A float32 ``[n]`` output inside a larger buffer with sentinels before and after it:
+    any write outside ``[0, n)`` changes a sentinel."""
+
+    def __init__(self, n, seed=0):
+        self.buffer = torch.randn(n + 2 * _GUARD, generator=torch.Generator().manual_seed(seed))
+        self.tensor = self.buffer[_GUARD : _GUARD + n]
+        self.before = self.buffer.clone()
+
+    def assert_untouched(self, what):
+        assert torch.equal(self.buffer.view(torch.int32), self.before.view(torch.int32)), f"{what}: memory changed"
+
+    def assert_guards_intact(self, what):
+        b, a = self.buffer.view(torch.int32), self.before.view(torch.int32)
+        assert torch.equal(b[:_GUARD], a[:_GUARD]), f"{what}: written before the output"
+        assert torch.equal(b[-_GUARD:], a[-_GUARD:]), f"{what}: written past the output"
+
+
+N = 100
+VALID = torch.tensor([0, 3, 9, 27, 40, 41, 63, 88, 98, 99])
+
+
+def hostile_indices(kind, dtype):
+    indices = VALID.clone()
+    if kind == "equal_to_n":
+        indices[-1] = N
+    elif kind == "far_past_n":
+        indices[4] = 10**6
+    elif kind == "int_max":
+        indices[-1] = torch.iinfo(dtype).max
+    elif kind == "minus_one":
+        indices[0] = -1
+    elif kind == "minus_n":
+        indices[0] = -N
+    elif kind == "int_min":
+        indices[2] = torch.iinfo(dtype).min
+    elif kind == "duplicate":
+        indices[5] = indices[4]
+    elif kind == "duplicate_unsorted":  # [.., 40, 27, 40, ..]: a neighbour check alone misses it
+        indices[4], indices[5] = 27, 40
+        indices[3] = 40
+    elif kind == "unsorted":
+        indices = indices.flip(0)
+    elif kind == "all_same":
+        indices[:] = 7
+    else:
+        raise ValueError(kind)
+    return indices.to(dtype)
+
+
+HOSTILE_KINDS = ["equal_to_n", "far_past_n", "int_max", "minus_one", "minus_n", "int_min", "duplicate",
+                 "duplicate_unsorted", "unsorted", "all_same"]
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("kind", HOSTILE_KINDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_decoders_reject_bad_indices_and_write_nothing(backend, kind, index_dtype, request):
+    decode = ops_for(backend, request)["topk_decompress_add"]
+    values = torch.arange(1, 11, dtype=torch.float32)
+    out = GuardedOut(N)
+    with pytest.raises(ValueError, match=r"outside \[0, 100\)|strictly increase") as caught:
+        decode(values, hostile_indices(kind, index_dtype), out.tensor)
+    assert "nothing was written" in str(caught.value)
+    out.assert_untouched(f"{backend} {kind}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_decoders_accept_valid_indices_within_bounds(backend, request):
+    decode = ops_for(backend, request)["topk_decompress_add"]
+    values = torch.arange(1, 11, dtype=torch.bfloat16)
+    out = GuardedOut(N, seed=1)
+    expected = out.tensor.clone()
+    expected[VALID] += values.float()
+    decode(values, VALID.to(torch.int32), out.tensor)
+    out.assert_guards_intact(backend)
+    assert torch.equal(out.tensor, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_decoders_reject_mismatched_sizes_before_writing(backend, request):
+    decode = ops_for(backend, request)["topk_decompress_add"]
+    out = GuardedOut(N)
+    values = torch.ones(10)
+    with pytest.raises(ValueError, match="indices must have 10 elements"):  # truncated indices
+        decode(values, VALID[:9].to(torch.int32), out.tensor)
+    with pytest.raises(ValueError, match="indices must have 10 elements"):  # oversized indices
+        decode(values, torch.arange(11, dtype=torch.int32), out.tensor)
+    with pytest.raises(ValueError, match="cannot be distinct positions"):  # k > n: a payload for a larger tensor
+        decode(torch.ones(N + 1), torch.arange(N + 1, dtype=torch.int32), out.tensor)
+    with pytest.raises(TypeError, match="out must be torch.float32"):
+        decode(values, VALID.to(torch.int32), out.tensor.double())
+    with pytest.raises(TypeError, match="values must be"):  # a 2-bit code word where values are expected
+        decode(torch.ones(10, dtype=torch.int32), VALID.to(torch.int32), out.tensor)
+    with pytest.raises(TypeError, match="indices must be"):
+        decode(values, VALID.float(), out.tensor)
+    with pytest.raises(ValueError, match="flat contiguous"):
+        decode(values, VALID.to(torch.int32), out.tensor.view(10, 10))
+    out.assert_untouched(backend)
+
+
+def test_topk_payload_built_for_a_larger_tensor_is_rejected_on_every_backend(request):
+    """Decoding a payload for n=64 into an output of n=16 used to write past the output."""
+    payload = gradcomp.TopK(0.25).compress(torch.randn(64), backend="torch")
+    for backend in BACKENDS:
+        decode = ops_for(backend, request)["topk_decompress_add"]
+        out = GuardedOut(16)
+        with pytest.raises(ValueError):
+            decode(payload["values"], payload["indices"], out.tensor)
+        out.assert_untouched(backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_twobit_decoders_reject_truncated_and_oversized_codes(backend, request):
+    decode = ops_for(backend, request)["twobit_decompress_add"]
+    out = GuardedOut(N)
+    for words in (0, 6, 8, 100):  # ceil(100 / 16) = 7
+        with pytest.raises(ValueError, match="codes must have 7 elements"):
+            decode(torch.full((words,), -1, dtype=torch.int32), 0.5, out.tensor)
+    with pytest.raises(TypeError, match="codes must be torch.int32"):  # a top-k index buffer as int64 codes
+        decode(torch.zeros(7, dtype=torch.int64), 0.5, out.tensor)
+    out.assert_untouched(backend)
+    # Garbage in the padding bits of the last word is never decoded past n.
+    decode(torch.full((7,), -1, dtype=torch.int32), 0.5, out.tensor)
+    out.assert_guards_intact(backend)
+    assert torch.isnan(out.tensor).all()  # every code 0b11 decodes to NaN
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compress_wrappers_reject_short_residuals_and_buffers_before_writing(backend, request):
+    """A residual shorter than the gradient overflowed the heap in the numba compress."""
+    ops = ops_for(backend, request)
+    grad = torch.randn(N)
+    short_in, short_out = GuardedOut(N - 1, seed=2), GuardedOut(N - 1, seed=3)
+    full_out = GuardedOut(N, seed=4)
+    codes = torch.zeros(7, dtype=torch.int32)
+    values, indices = torch.zeros(10), torch.zeros(10, dtype=torch.int32)
+    cases = [
+        ("twobit_compress", (grad, short_in.tensor, None, 0.5, codes), "residual_in must have 100"),
+        ("twobit_compress", (grad, None, short_out.tensor, 0.5, codes), "residual_out must have 100"),
+        ("twobit_compress", (grad, None, full_out.tensor, 0.5, codes[:6]), "codes must have 7"),
+        ("topk_compress", (grad, short_in.tensor, None, values, indices), "residual_in must have 100"),
+        ("topk_compress", (grad, None, short_out.tensor, values, indices), "residual_out must have 100"),
+        ("topk_compress", (grad, None, full_out.tensor, values, indices[:9]), "indices must have 10"),
+        ("topk_compress", (grad[:5], None, None, values, indices), "k <= n"),
+    ]
+    for op, args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ops[op](*args)
+    for guarded in (short_in, short_out, full_out):
+        guarded.assert_untouched(backend)
+    assert not codes.any() and not values.any() and not indices.any()
+
+
+@pytest.mark.parametrize("backend", ["numba", "cuda-emulated"])
+def test_fast_topk_decoders_equal_the_reference_on_random_payload_bytes(backend, request):
+    """Random bytes as a top-k payload: the fast decoder raises exactly when the reference
+    does, writes nothing when it raises, stays inside the output, and otherwise gives the
+    reference's result bit for bit."""
+    decode = ops_for(backend, request)["topk_decompress_add"]
+    reference = KERNELS[("topk_decompress_add", "torch")]
+
+    @given(st.binary(min_size=0, max_size=4096), st.integers(1, 40), st.sampled_from([torch.float32, torch.bfloat16]))
+    @settings(max_examples=60 if backend == "numba" else 25, deadline=None)
+    def check(data, n, dtype):
+        layout = gradcomp.TopK(0.2).layout(n, dtype)
+        raw = bytearray(data[: layout.nbytes].ljust(layout.nbytes, b"\0"))
+        payload = Payload(layout, torch.frombuffer(raw, dtype=torch.uint8))
+        values, indices = payload["values"], payload["indices"]
+        # Small random indices sometimes, so that valid payloads occur too.
+        if data and data[0] % 2:
+            indices.copy_(indices.abs() % (2 * n) - n // 4)
+        expected, out = GuardedOut(n, seed=5), GuardedOut(n, seed=5)
+        try:
+            reference(values, indices, expected.tensor)
+        except ValueError:
+            with pytest.raises(ValueError):
+                decode(values, indices, out.tensor)
+            out.assert_untouched(backend)
+            return
+        decode(values, indices, out.tensor)
+        out.assert_guards_intact(backend)
+        assert torch.equal(out.tensor.isnan(), expected.tensor.isnan())
+        same = out.tensor.view(torch.int32) == expected.tensor.view(torch.int32)
+        assert bool((same | out.tensor.isnan()).all())
+
+    check()
+
+
+def test_numba_parallel_decode_never_loses_updates_to_duplicates():
+    """Duplicate indices raced in the parallel decode (non-atomic adds): rejected now,
+    with the output untouched, whatever the thread count."""
+    if not _HAS_NUMBA:
+        pytest.skip("numba is not installed")
+    n, k = 1 << 16, 1 << 14
+    indices = torch.arange(k, dtype=torch.int32) * 4
+    indices[k // 2 :] = indices[k // 2]  # half the payload adds to one element
+    out = GuardedOut(n)
+    with pytest.raises(ValueError, match="duplicate"):
+        KERNELS[("topk_decompress_add", "numba")](torch.ones(k), indices, out.tensor)
+    out.assert_untouched("numba")

@@ -453,3 +453,19 @@ def test_ops_called_from_two_threads_at_once_stay_correct():
     env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue", "NUMBA_NUM_THREADS": "2"}
     done = subprocess.run([sys.executable, "-c", _CONCURRENT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_backend_choice_is_logged_once_per_device_type(caplog, monkeypatch):
+    import gradcomp.backends as backends
+
+    monkeypatch.setattr(backends, "_logged_choices", set())
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    with caplog.at_level("INFO", logger="gradcomp.backends"):
+        for _ in range(3):
+            backends.kernel("topk_compress", "cpu")
+            backends.kernel("topk_compress", "cpu", "torch")
+    lines = [record.getMessage() for record in caplog.records if record.name == "gradcomp.backends"]
+    assert lines == [
+        "gradcomp kernels for cpu tensors: backend 'numba' (automatic)",
+        "gradcomp kernels for cpu tensors: backend 'torch' (requested)",
+    ], lines

@@ -1,13 +1,17 @@
 """The ``cuda`` backend: the kernels of ``csrc/`` compiled by NVRTC through CuPy.
 
 Contracts are in :mod:`gradcomp.backends`. Each op is a short, fixed sequence of kernel
-launches on ``torch.cuda.current_stream()``, with no host synchronisation:
+launches on ``torch.cuda.current_stream()``, with no host synchronisation except the one
+that top-k decoding needs to report a bad payload:
 
 * ``twobit_compress``: one kernel (compensate, quantise, pack, residual) -- one pass.
 * ``twobit_decompress_add``: one kernel.
 * ``topk_compress``: radix select in 3 passes of histogram + select, then a count and an
   ordered write of values, indices and residual (see ``csrc/topk.cu``).
-* ``topk_decompress_add``: one kernel.
+* ``topk_decompress_add``: a check of the indices, then the decoder, which writes nothing
+  unless every index lies in ``[0, n)`` strictly increasing; then one read of the check's
+  counter back to the host (the only synchronisation of any op), which raises
+  ``ValueError`` for a bad payload.
 
 The launch plans are plain functions of a ``launch(name, grid, block, args)`` callable and a
 :class:`LaunchConfig`, so the tests run the very same plans against a CPU emulation of the
@@ -32,7 +36,7 @@ import torch
 import cupy  # ImportError here marks the backend unavailable (gradcomp.backends._load)
 
 import gradcomp.csrc
-from gradcomp.backends import register
+from gradcomp.backends import checks, register
 
 SOURCE_DIR = os.path.dirname(os.path.abspath(gradcomp.csrc.__file__))
 #: Kernel sources compiled into one module, in this order.
@@ -83,31 +87,11 @@ def _ptr(tensor: Optional[torch.Tensor]) -> numpy.uint64:
     return numpy.uint64(0 if tensor is None else tensor.data_ptr())
 
 
-def _check_vector(name: str, tensor: Optional[torch.Tensor], dtypes, numel: Optional[int] = None) -> None:
-    if tensor is None:
-        return
-    if tensor.dtype not in dtypes:
-        raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {tensor.dtype}")
-    if tensor.dim() != 1 or not tensor.is_contiguous():
-        raise ValueError(f"{name} must be a flat contiguous tensor, got shape {tuple(tensor.shape)}")
-    if numel is not None and tensor.numel() != numel:
-        raise ValueError(f"{name} must have {numel} elements, got {tensor.numel()}")
-
-
-def _check_compress(grad, residual_in, residual_out) -> int:
-    _check_vector("grad", grad, tuple(_DTYPE_SUFFIX))
-    n = grad.numel()
-    _check_vector("residual_in", residual_in, (torch.float32,), n)
-    _check_vector("residual_out", residual_out, (torch.float32,), n)
-    return n
-
-
 # --- launch plans (shared by the GPU and the CPU emulation) ----------------------------
 
 
 def plan_twobit_compress(launch: Launch, config: LaunchConfig, grad, residual_in, residual_out, threshold, codes):
-    n = _check_compress(grad, residual_in, residual_out)
-    _check_vector("codes", codes, (torch.int32,), (n + 15) // 16)
+    n = checks.check_twobit_compress(grad, residual_in, residual_out, codes)
     if n == 0:
         return
     tiles = -(-n // (16 * config.threads))  # a block packs 16 * threads elements per tile
@@ -120,9 +104,7 @@ def plan_twobit_compress(launch: Launch, config: LaunchConfig, grad, residual_in
 
 
 def plan_twobit_decompress_add(launch: Launch, config: LaunchConfig, codes, threshold, out):
-    _check_vector("out", out, (torch.float32,))
-    n = out.numel()
-    _check_vector("codes", codes, (torch.int32,), (n + 15) // 16)
+    n = checks.check_twobit_decompress_add(codes, out)
     if n == 0:
         return
     launch(
@@ -134,14 +116,8 @@ def plan_twobit_decompress_add(launch: Launch, config: LaunchConfig, codes, thre
 
 
 def plan_topk_compress(launch: Launch, config: LaunchConfig, grad, residual_in, residual_out, values, indices):
-    n = _check_compress(grad, residual_in, residual_out)
-    _check_vector("values", values, (grad.dtype,))
-    k = values.numel()
-    _check_vector("indices", indices, tuple(_INDEX_SUFFIX), k)
-    if k > n:
-        raise ValueError(f"top-k of {n} elements cannot keep k={k}")
-    if indices.dtype == torch.int32 and n >= 2**31:
-        raise TypeError(f"indices must be int64 for n >= 2**31 (n={n})")
+    n, k = checks.check_topk_compress(grad, residual_in, residual_out, values, indices)
+    checks.check_vector("topk_compress", "values", values, (grad.dtype,))  # the kernels store grad's type
     if n == 0:
         return
     suffix = _DTYPE_SUFFIX[grad.dtype]
@@ -184,18 +160,29 @@ def plan_topk_compress(launch: Launch, config: LaunchConfig, grad, residual_in, 
 
 
 def plan_topk_decompress_add(launch: Launch, config: LaunchConfig, values, indices, out):
-    _check_vector("out", out, (torch.float32,))
-    _check_vector("values", values, tuple(_DTYPE_SUFFIX))
-    k = values.numel()
-    _check_vector("indices", indices, tuple(_INDEX_SUFFIX), k)
+    """``out += decode(values, indices)``; raises ``ValueError`` (having written nothing) when
+    an index lies outside ``[0, n)`` or does not exceed the one before it."""
+    n, k = checks.check_topk_decompress_add(values, indices, out)
     if k == 0:
         return
+    index_suffix = _INDEX_SUFFIX[indices.dtype]
+    bad = torch.zeros(1, dtype=torch.int64, device=out.device)  # positions that fail the check
     launch(
-        f"gradcomp_topk_decompress_add_{_DTYPE_SUFFIX[values.dtype]}_{_INDEX_SUFFIX[indices.dtype]}",
+        f"gradcomp_topk_check_indices_{index_suffix}",
         config.blocks(k),
         config.threads,
-        (_ptr(values), _ptr(indices), _ptr(out), numpy.int64(k)),
+        (_ptr(indices), numpy.int64(k), numpy.int64(n), _ptr(bad)),
     )
+    launch(
+        f"gradcomp_topk_decompress_add_{_DTYPE_SUFFIX[values.dtype]}_{index_suffix}",
+        config.blocks(k),
+        config.threads,
+        (_ptr(values), _ptr(indices), _ptr(out), numpy.int64(k), numpy.int64(n), _ptr(bad)),
+    )
+    failed = int(bad.item())  # the one device-to-host read of any op
+    if failed:
+        problem = checks.topk_index_problem(indices, n) or f"{failed} indices failed the kernel's check"
+        raise ValueError(f"topk_decompress_add: {problem}; nothing was written")
 
 
 # --- sources and the compiled module ---------------------------------------------------

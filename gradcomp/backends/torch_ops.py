@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from gradcomp.backends import register
+from gradcomp.backends import checks, register
 
 _CODE_POS, _CODE_NEG, _CODE_NONFINITE = 1, 2, 3
 
@@ -24,6 +24,7 @@ def compensate(grad: torch.Tensor, residual_in: Optional[torch.Tensor]) -> torch
 
 @register("twobit_compress", "torch")
 def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) -> None:
+    checks.check_twobit_compress(grad, residual_in, residual_out, codes)
     acc = compensate(grad, residual_in)
     t = torch.tensor(threshold, dtype=torch.float32, device=acc.device)
     nonfinite = ~torch.isfinite(acc)
@@ -56,6 +57,7 @@ def twobit_decode(codes: torch.Tensor, threshold: float, numel: int) -> torch.Te
 
 @register("twobit_decompress_add", "torch")
 def twobit_decompress_add(codes, threshold: float, out) -> None:
+    checks.check_twobit_decompress_add(codes, out)
     out.add_(twobit_decode(codes, threshold, out.numel()))
 
 
@@ -78,6 +80,7 @@ def topk_select(acc: torch.Tensor, k: int) -> torch.Tensor:
 
 @register("topk_compress", "torch")
 def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
+    checks.check_topk_compress(grad, residual_in, residual_out, values, indices)
     acc = compensate(grad, residual_in)
     selected = topk_select(acc, values.numel())
     values.copy_(acc[selected])
@@ -89,5 +92,8 @@ def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
 
 @register("topk_decompress_add", "torch")
 def topk_decompress_add(values, indices, out) -> None:
-    # Indices within one payload are unique, so index_add_ has no collisions to order.
+    n, _ = checks.check_topk_decompress_add(values, indices, out)
+    # Out-of-range, duplicate or unsorted indices raise before anything is written; valid
+    # indices are unique, so index_add_ has no collisions to order.
+    checks.check_topk_indices("topk_decompress_add", indices, n)
     out.index_add_(0, indices.to(torch.int64), values.to(torch.float32))

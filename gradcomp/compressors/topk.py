@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from gradcomp.backends import kernel
+from gradcomp.backends.checks import topk_index_problem
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.registry import register
 from gradcomp.payload import Payload, PayloadLayout
@@ -86,27 +87,9 @@ class TopK(Compressor):
         """Raise ``ValueError`` unless the layout fits ``[numel]`` and the indices lie in
         ``[0, numel)`` strictly increasing (so no duplicates). O(k), one host sync."""
         check_layout(self, payload, numel)
-        indices = payload["indices"]
-        k = indices.numel()
-        if k == 0:
-            return
-        # Strictly increasing with the first >= 0 and the last < n means every index is in range.
-        ok = (indices[0] >= 0) & (indices[-1] < numel)
-        if k > 1:
-            ok = ok & (indices[1:] > indices[:-1]).all()
-        if bool(ok):
-            return
-        # Rare path: say exactly what is wrong, with the first offending position.
-        out_of_range = ((indices < 0) | (indices >= numel)).nonzero()
-        if out_of_range.numel():
-            j = int(out_of_range[0])
-            raise ValueError(f"top-k index {int(indices[j])} at position {j} is outside [0, {numel})")
-        j = int((indices[1:] <= indices[:-1]).nonzero()[0]) + 1
-        what = "duplicate" if int(indices[j]) == int(indices[j - 1]) else "unsorted"
-        raise ValueError(
-            f"top-k indices must strictly increase: {what} index {int(indices[j])} at position {j} "
-            f"after {int(indices[j - 1])}"
-        )
+        problem = topk_index_problem(payload["indices"], numel)
+        if problem is not None:
+            raise ValueError(problem)
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         kernel("topk_decompress_add", out.device, backend)(payload["values"], payload["indices"], out)

@@ -179,3 +179,39 @@ class EmulatedLauncher:
             raise EmulationError(error.value.decode())
         self.launches[name] += 1
         self.log.append((name, int(grid), int(block)))
+
+
+def load_cuda_plans(module_name: str = "gradcomp_tests_cuda_ops_plans"):
+    """``gradcomp/backends/cuda_ops.py`` as a private module, whatever is installed.
+
+    The launch plans it holds need no CuPy, but the module imports CuPy at the top (that is
+    how the registry learns the backend is unavailable). A stand-in ``cupy`` lets it load
+    here; the registry is restored afterwards, so the stand-in never serves a real op.
+    Loaded once per process (``sys.modules[module_name]``).
+    """
+    import importlib.util
+    import sys
+    import types
+
+    import gradcomp.backends
+
+    loaded = sys.modules.get(module_name)
+    if loaded is not None:
+        return loaded
+    path = Path(gradcomp.backends.__file__).resolve().parent / "cuda_ops.py"
+    saved_cupy = sys.modules.get("cupy")
+    saved_kernels = dict(gradcomp.backends.KERNELS)
+    sys.modules["cupy"] = types.ModuleType("cupy")
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses look their module up while being built
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        if saved_cupy is None:
+            del sys.modules["cupy"]
+        else:
+            sys.modules["cupy"] = saved_cupy
+        gradcomp.backends.KERNELS.clear()
+        gradcomp.backends.KERNELS.update(saved_kernels)

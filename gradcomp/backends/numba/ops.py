@@ -11,13 +11,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gradcomp.backends import register
+from gradcomp.backends import checks, register
 from gradcomp.backends.numba import topk, twobit
 from gradcomp.backends.numba.concurrency import serialized
 
 # Half-precision tensors cross into Numba as their bits; the integer dtype names the format.
 _HALF_BITS = {torch.float16: np.int16, torch.bfloat16: np.uint16}
-_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _TOPK_WORKSPACE = topk.Workspace()
 
@@ -34,11 +33,6 @@ def as_array(tensor):
     return tensor.view(torch.int16).numpy().view(bits)
 
 
-def _check(name: str, tensor, dtypes) -> None:
-    if tensor is not None and tensor.dtype not in dtypes:
-        raise TypeError(f"numba backend: {name} must be {' or '.join(map(str, dtypes))}, got {tensor.dtype}")
-
-
 def residual_arg(residual_in, residual_out):
     """``residual_out`` for a kernel: ``True`` when it is ``residual_in`` (in place)."""
     if residual_out is not None and residual_in is not None and residual_out.data_ptr() == residual_in.data_ptr():
@@ -49,12 +43,7 @@ def residual_arg(residual_in, residual_out):
 @register("twobit_compress", "numba")
 @serialized
 def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) -> None:
-    _check("grad", grad, _GRAD_DTYPES)
-    _check("residual_in", residual_in, (torch.float32,))
-    _check("residual_out", residual_out, (torch.float32,))
-    _check("codes", codes, (torch.int32,))
-    if codes.numel() != (grad.numel() + 15) // 16:
-        raise ValueError(f"codes must have ceil(n / 16) = {(grad.numel() + 15) // 16} words, got {codes.numel()}")
+    checks.check_twobit_compress(grad, residual_in, residual_out, codes)
     twobit.compress_kernel(
         as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out), np.float32(threshold),
         as_array(codes).view(np.uint8),
@@ -64,26 +53,14 @@ def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) ->
 @register("twobit_decompress_add", "numba")
 @serialized
 def twobit_decompress_add(codes, threshold: float, out) -> None:
-    _check("codes", codes, (torch.int32,))
-    _check("out", out, (torch.float32,))
-    if codes.numel() != (out.numel() + 15) // 16:
-        raise ValueError(f"codes must have ceil(n / 16) = {(out.numel() + 15) // 16} words, got {codes.numel()}")
+    checks.check_twobit_decompress_add(codes, out)
     twobit.decompress_add_kernel(as_array(codes).view(np.uint8), np.float32(threshold), as_array(out))
 
 
 @register("topk_compress", "numba")
 @serialized
 def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
-    _check("grad", grad, _GRAD_DTYPES)
-    _check("residual_in", residual_in, (torch.float32,))
-    _check("residual_out", residual_out, (torch.float32,))
-    _check("values", values, _GRAD_DTYPES)
-    _check("indices", indices, (torch.int32, torch.int64))
-    n, k = grad.numel(), values.numel()
-    if not 0 <= k <= n or indices.numel() != k:
-        raise ValueError(
-            f"topk_compress needs k <= n values and k indices; got n={n}, {k} values, {indices.numel()} indices"
-        )
+    n, k = checks.check_topk_compress(grad, residual_in, residual_out, values, indices)
     if k == 0:  # nothing is sent (TopK gives k = 0 only for an empty tensor): residual = acc
         if residual_out is not None:
             residual_out.copy_(grad.float() if residual_in is None else grad.float() + residual_in)
@@ -101,7 +78,7 @@ def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
 @register("topk_decompress_add", "numba")
 @serialized
 def topk_decompress_add(values, indices, out) -> None:
-    _check("values", values, _GRAD_DTYPES)
-    _check("indices", indices, (torch.int32, torch.int64))
-    _check("out", out, (torch.float32,))
-    topk.decompress_add_kernel(as_array(values), as_array(indices), as_array(out))
+    n, _ = checks.check_topk_decompress_add(values, indices, out)
+    if topk.decompress_add_kernel(as_array(values), as_array(indices), as_array(out)):
+        problem = checks.topk_index_problem(indices, n)
+        raise ValueError(f"topk_decompress_add: {problem}; nothing was written")

@@ -339,9 +339,25 @@ def compress_kernel(
 
 @njit(parallel=True, cache=True)
 def decompress_add_kernel(values, indices, out):
+    """``out[indices[j]] += values[j]`` for every ``j``, if every index lies in
+    ``[0, out.size)`` and exceeds the one before it; otherwise nothing is written.
+
+    Returns how many positions fail that check (0: decoded). Checking first, in its own
+    pass, is what makes the parallel writes safe: valid indices are unique, so no two
+    threads add to the same element (duplicates would race and lose updates), and none
+    writes outside ``out`` (a peer's index is untrusted input).
+    """
+    n = out.size
+    bad = 0
     for j in prange(values.size):
         i = indices[j]
-        out[i] = out[i] + load(values, j)
+        previous = indices[j - 1] if j > 0 else -1
+        bad += np.int64((i < 0) | (i >= n) | (i <= previous))
+    if bad == 0:
+        for j in prange(values.size):
+            i = indices[j]
+            out[i] = out[i] + load(values, j)
+    return bad
 
 
 # Grow-only scratch, reused across calls: fresh buffers of a few MiB would be page-faulted
