@@ -3,10 +3,13 @@
 Importing this package needs only torch; numba and cupy are loaded by the kernel
 backends on first use.
 """
-from gradcomp.compressors import BF16, FP16, Compressor, Identity, TopK, TwoBit
+from gradcomp.compressors import BF16, FP16, Compressor, Identity, TopK, TwoBit, from_spec
+from gradcomp.engine import Engine, SettingsMismatchError
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.payload import Payload, PayloadLayout
+from gradcomp.validation import PayloadError
 
 __version__ = "0.1.0"
 
-__all__ = ["Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "ErrorFeedback", "Payload", "PayloadLayout"]
+__all__ = ["Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "from_spec", "ErrorFeedback", "Payload",
+           "PayloadLayout", "Engine", "SettingsMismatchError", "PayloadError"]

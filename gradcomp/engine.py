@@ -83,7 +83,7 @@ logger = logging.getLogger(__name__)
 STATE_FORMAT = 1
 
 #: What the ranks compare before they exchange anything (see :meth:`Engine.check_agreement`).
-AGREEMENT_FIELDS = ("compressor", "error_feedback", "schedule", "transform", "min_numel", "world_size",
+AGREEMENT_FIELDS = ("compressor", "error_feedback", "schedule", "transform", "min_numel", "world_size", "step",
                     "group_numels", "group_dtypes")
 
 
@@ -200,9 +200,11 @@ class Engine:
         self._step_compressor: Tuple[int, Optional[Compressor]] = (-1, None)
         self._compression_logged = False
         self._flush_logged = False
-        #: Steps at whose groups the ranks compare settings before exchanging (DDP: set-up and
-        #: the bucket rebuild after the first iteration). Empty: the adapter calls check_agreement.
+        #: Steps of this process (0: the first it runs, also after a resume) at whose groups the
+        #: ranks compare settings before exchanging: DDP's first step and the one after its bucket
+        #: rebuild. Empty: the adapter calls check_agreement itself.
         self.agreement_steps: Tuple[int, ...] = (0, 1)
+        self._steps_run = 0
 
     # -- settings ----------------------------------------------------------------------
     @property
@@ -259,7 +261,7 @@ class Engine:
         if sum(numels) != grad.numel():
             raise RuntimeError(f"group {group!r}: the gradient has {grad.numel()} elements, "
                                f"its parameters {sum(numels)}")
-        if self.step in self.agreement_steps:
+        if self._steps_run in self.agreement_steps:
             self.check_agreement([(numels, grad.dtype)], group)
         compressor = self.compressor_now()
         mode = self.mode_of(compressor, grad.numel(), grad.dtype, grad.device)
@@ -370,6 +372,7 @@ class Engine:
     def end_step(self) -> None:
         """Close the step: telemetry moves on and the schedule sees the next step number."""
         self.telemetry.end_step()
+        self._steps_run += 1
 
     def _flush_residuals(self, keys, numels, grad: torch.Tensor) -> None:
         """Add the residuals still held for ``keys`` into ``grad`` and zero them, so a group
@@ -402,6 +405,7 @@ class Engine:
             "transform": None if self.transform is None else type(self.transform).__name__,
             "min_numel": self.min_numel,
             "world_size": self.transport.world_size if self.transport is not None else 1,
+            "step": self.step,  # the schedule's position: ranks resumed from different checkpoints differ here
             "group_numels": tuple(tuple(int(n) for n in numels) for numels, _ in groups),
             "group_dtypes": tuple(str(dtype) for _, dtype in groups),
         }

@@ -282,6 +282,61 @@ def scenario_nonfinite(rank):
     }
 
 
+def scenario_cross_path(rank, hvd):
+    """One checkpoint format on both paths: the Horovod optimizer's gradcomp state loads into a
+    DDP hook's state (over torch.distributed Gloo beside Horovod, same ranks) and back, through
+    torch.save/torch.load(weights_only=True); both report stats() of one shape."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradcomp.hooks import ddp as gc_ddp
+
+    def through_disk(state):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=True)
+
+    port = None
+    if rank == 0:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    port = hvd.broadcast_object(port, root_rank=0, name="gradcomp.test.port")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        data = make_data(rank)
+        settings = dict(compression=gradcomp.TopK(0.01), min_numel=100, warmup_steps=1)
+        hvd_model = make_model()
+        opt = dropin(hvd_model, **settings)
+        train(opt, hvd_model, data, 4)
+        from_horovod = through_disk(opt.state_dict()["gradcomp"])
+
+        ddp_model = make_model()
+        ddp = DDP(ddp_model)
+        state = gc_ddp.register(ddp, settings["compression"], min_numel=100, warmup_steps=1, backend="torch")
+        state.load_state_dict(from_horovod)
+        loaded_in_ddp = state.state_dict()
+        sgd = make_sgd(ddp_model)
+        for _ in range(3):
+            sgd.zero_grad()
+            x, y = data
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            sgd.step()
+        from_ddp = through_disk(state.state_dict())
+        opt2 = dropin(make_model(), **settings)
+        opt2.load_compression_state_dict(from_ddp)
+        return {
+            "from_horovod": from_horovod, "loaded_in_ddp": loaded_in_ddp,
+            "from_ddp": from_ddp, "loaded_in_horovod": opt2.compression_state_dict(),
+            "stats": {"horovod": opt.stats(), "ddp": state.stats()},
+        }  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     import horovod.torch as hvd
@@ -295,6 +350,7 @@ def main(out_dir: str) -> None:
     results["sparse"] = scenario_sparse(rank, hvd)
     results["nonfinite"] = scenario_nonfinite(rank)
     results["convergence"] = scenario_convergence(rank, hvd)
+    results["cross_path"] = scenario_cross_path(rank, hvd)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     torch.save(results, path + ".tmp")
     os.replace(path + ".tmp", path)

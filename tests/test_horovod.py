@@ -314,6 +314,42 @@ def test_topk_with_error_feedback_converges_within_5_percent_of_dense(ranks):
     assert stats["total"]["compression_ratio"] > 7  # 1% of the 1024-entry weight plus the dense rest
 
 
+# -- one engine: one checkpoint format and one stats() shape with the DDP hook ---------------
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if key == "residuals":
+            assert a[key].keys() == b[key].keys() and a[key]
+            assert all(bitwise_equal(a[key][n], b[key][n]) for n in a[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_horovod_and_ddp_load_each_others_checkpoints(ranks):
+    for rank, result in enumerate(ranks):
+        cross = result["cross_path"]
+        assert cross["from_horovod"]["rank"] == rank and cross["from_horovod"]["world_size"] == worker.WORLD_SIZE
+        assert cross["from_horovod"]["step"] == 4 and cross["from_ddp"]["step"] == 7
+        assert_same_state(cross["loaded_in_ddp"], cross["from_horovod"])
+        assert_same_state(cross["loaded_in_horovod"], cross["from_ddp"])
+        # The DDP run trained on from the Horovod residuals: they changed, so the round trip is not vacuous.
+        assert not all(bitwise_equal(cross["from_ddp"]["residuals"][n], v)
+                       for n, v in cross["from_horovod"]["residuals"].items())  # fmt: skip
+
+
+def test_horovod_and_ddp_report_stats_of_one_shape(ranks):
+    def shape(value):
+        if isinstance(value, dict):
+            if value and all(not isinstance(k, str) or "." in k for k in value):  # groups: names vary by path
+                return ["group", shape(next(iter(value.values())))]
+            return {k: shape(v) for k, v in value.items()}
+        return type(value).__name__ if value is not None else "str"  # backend: None when no kernel ran
+
+    stats = ranks[0]["cross_path"]["stats"]
+    assert shape(stats["horovod"]) == shape(stats["ddp"])
+    assert stats["horovod"]["agreement"]["collectives"] >= 1 and stats["ddp"]["agreement"]["collectives"] >= 1
+
+
 # -- in-process: the compression protocol and argument checks -----------------------------
 @pytest.mark.parametrize("compressor", [gradcomp.TopK(0.01), gradcomp.TwoBit(0.5)])
 def test_wrapping_a_non_summable_compressor_says_what_to_use(compressor):
@@ -361,6 +397,21 @@ def test_dropin_argument_errors_say_how_to_fix_them():
         gc_hvd.DistributedOptimizer(sgd, model.named_parameters(), gradcomp.TopK(0.01), min_numel=-1)
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         gc_hvd.DistributedOptimizer(sgd, model.named_parameters(), gradcomp.TopK(0.01), backward_passes_per_step=0)
+
+
+def test_dropin_fails_at_construction_for_bad_backends_and_dtypes(monkeypatch):
+    """Before any training step (and before Horovod's first collective)."""
+    model = worker.make_model()
+    with pytest.raises(ValueError, match="backend"):
+        gc_hvd.DistributedOptimizer(worker.make_sgd(model), model.named_parameters(), gradcomp.TopK(0.01),
+                                    backend="opencl")  # fmt: skip
+    monkeypatch.setenv("GRADCOMP_BACKEND", "opencl")
+    with pytest.raises(ValueError, match="GRADCOMP_BACKEND"):
+        gc_hvd.DistributedOptimizer(worker.make_sgd(model), model.named_parameters(), gradcomp.TopK(0.01))
+    monkeypatch.delenv("GRADCOMP_BACKEND")
+    doubled = worker.make_model(torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        gc_hvd.DistributedOptimizer(worker.make_sgd(doubled), doubled.named_parameters(), gradcomp.TwoBit(0.5))
 
 
 # -- the build script ----------------------------------------------------------------------
