@@ -256,7 +256,7 @@ def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str],
         # The recipes compress each parameter on its own (a top-k and a 2-bit scale per tensor,
         # as DGC, GRACE and 1-bit SGD do): DDP then puts every parameter in its own bucket.
         per_parameter = spec.method.split("-")[0] in ("topk", "twobit") and not spec.method.endswith("-naive")
-        model = DistributedDataParallel(net, bucket_cap_mb=PER_PARAMETER_BUCKET_MB if per_parameter else None)
+        model = DistributedDataParallel(net, bucket_cap_mb_list=[PER_PARAMETER_BUCKET_MB] if per_parameter else None)
         lr = peak_lr(spec)
         optimizer, telemetry, on_step_end, compressor = attach(model, net, spec, lr)
         if compressor is not None:  # JIT-compile the kernels outside the timed steps, as train.py does
