@@ -355,7 +355,8 @@ def _rounding_cases(dtype: torch.dtype, count: int) -> torch.Tensor:
     midpoint = numpy.where(numpy.isinf(high), low + (low - value(numpy.maximum(chosen - 1, 0))) / 2, (low + high) / 2)
     points = numpy.concatenate([low, midpoint]).astype(numpy.float32)  # exact: 16-bit midpoints fit in float32
     neighbours = [numpy.nextafter(points, numpy.float32(numpy.inf)), numpy.nextafter(points, numpy.float32(0))]
-    values = numpy.concatenate([points] + neighbours + [numpy.array([65519.996, 65520.0, 3.4e38, 1e-45], numpy.float32)])
+    extremes = numpy.array([65519.996, 65520.0, 3.4e38, 1e-45], numpy.float32)
+    values = numpy.concatenate([points] + neighbours + [extremes])
     values = numpy.concatenate([values, -values])
     return torch.from_numpy(values)
 

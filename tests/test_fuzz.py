@@ -95,7 +95,8 @@ def test_fuzz_numba_backend_matches_the_torch_reference_bit_for_bit(case, compre
     grad, residual = case
     expected = run(compressor, grad, residual.clone() if residual is not None else None, "torch")
     actual = run(compressor, grad, residual, "numba")
-    for name, got, want in zip(("payload", "decoded", "residual"), (actual[0].buffer, *actual[1:]), (expected[0].buffer, *expected[1:])):
+    names = ("payload", "decoded", "residual")
+    for name, got, want in zip(names, (actual[0].buffer, *actual[1:]), (expected[0].buffer, *expected[1:])):
         if name == "payload" and isinstance(compressor, gradcomp.TopK):
             got_values, want_values = actual[0]["values"], expected[0]["values"]
             assert torch.equal(actual[0]["indices"], expected[0]["indices"])

@@ -21,8 +21,11 @@ from hypothesis import strategies as st
 import gradcomp
 import gradcomp.csrc
 from emulation import cuda_emulator
-from gradcomp.backends import KERNELS, is_available
-from gradcomp.backends import torch_ops  # noqa: F401  (registers the reference)
+from gradcomp.backends import (
+    KERNELS,
+    is_available,
+    torch_ops,  # noqa: F401  (registers the reference)
+)
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import PayloadError, validate_gathered, validate_payload
 

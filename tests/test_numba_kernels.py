@@ -27,8 +27,7 @@ from hypothesis import strategies as st
 
 numba = pytest.importorskip("numba")
 
-from gradcomp.backends import KERNELS, OPS, is_available  # noqa: E402
-from gradcomp.backends import torch_ops  # noqa: E402,F401  (registers the reference)
+from gradcomp.backends import KERNELS, OPS, is_available, torch_ops  # noqa: E402,F401  (torch_ops registers)
 from gradcomp.backends.numba import ops as numba_ops  # noqa: E402,F401  (registers the numba ops)
 from gradcomp.backends.numba import topk as numba_topk  # noqa: E402
 
@@ -451,7 +450,9 @@ def test_ops_called_from_two_threads_at_once_stay_correct():
     import sys
 
     env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue", "NUMBA_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", _CONCURRENT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _CONCURRENT_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
 
 

@@ -119,7 +119,10 @@ def topk_index_problem(indices: torch.Tensor, n: int) -> Optional[str]:
         return f"top-k index {int(indices[j])} at position {j} is outside [0, {n})"
     j = int((indices[1:] <= indices[:-1]).nonzero()[0]) + 1
     what = "duplicate" if int(indices[j]) == int(indices[j - 1]) else "unsorted"
-    return f"top-k indices must strictly increase: {what} index {int(indices[j])} at position {j} after {int(indices[j - 1])}"
+    return (
+        f"top-k indices must strictly increase: {what} index {int(indices[j])} at position {j} "
+        f"after {int(indices[j - 1])}"
+    )
 
 
 def check_topk_indices(op: str, indices: torch.Tensor, n: int) -> None:

@@ -30,10 +30,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
+import cupy  # ImportError here marks the backend unavailable (gradcomp.backends._load)
 import numpy
 import torch
-
-import cupy  # ImportError here marks the backend unavailable (gradcomp.backends._load)
 
 import gradcomp.csrc
 from gradcomp.backends import checks, register

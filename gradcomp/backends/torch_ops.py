@@ -65,8 +65,8 @@ def topk_select(acc: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (int64, ascending) of the ``k`` largest ``|acc|``, ties to the lower index.
 
     Magnitude is the bit pattern of ``|acc|`` as an integer, which orders NaN > inf >
-    finite; all NaNs count as ``0x7FFFFFFF`` and tie. Packing ``(magnitude, -index)`` into one int64 key makes every key unique, so
-    ``torch.topk`` has no ties left to break arbitrarily.
+    finite; all NaNs count as ``0x7FFFFFFF`` and tie. Packing ``(magnitude, -index)`` into one
+    int64 key makes every key unique, so ``torch.topk`` has no ties left to break arbitrarily.
     """
     n = acc.numel()
     magnitude = acc.view(torch.int32).to(torch.int64) & 0x7FFFFFFF

@@ -169,7 +169,8 @@ class EmulatedLauncher:
             kinds.append(kind)
             sizes.append(ctypes.sizeof(ctype))
             values.append(ctype(arg.item()))
-        pointers = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+        addresses = [ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values]
+        pointers = (ctypes.c_void_p * max(1, len(values)))(*addresses)
         error = ctypes.create_string_buffer(1024)
         status = self.library.gc_emu_launch(
             name.encode(), int(grid), int(block), pointers, "".join(kinds).encode(),

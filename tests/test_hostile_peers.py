@@ -1,0 +1,40 @@
+"""Hostile peers over real Gloo: 2 DDP ranks registered with ``gradcomp.hooks.ddp.register``,
+where rank 1 corrupts its top-k payload after compressing it (same compressor settings,
+so the cross-rank settings check passes and only payload validation can catch it).
+
+On every rank: a clear gradcomp error naming rank 1 as the sender, no crash, the residuals
+exactly as before the step, and the bucket untouched (it still holds this rank's own local
+gradient, bit for bit).
+"""
+import pytest
+import torch
+
+import hostile_workers as workers
+from gradcomp.backends import is_available
+
+CASES = [("torch", corruption) for corruption in workers.CORRUPTIONS]
+CASES += [("numba", corruption) for corruption in ("out_of_range", "duplicate", "random_bytes")]
+
+
+@pytest.mark.parametrize("backend,corruption", CASES)
+def test_a_corrupt_peer_gets_a_clear_error_on_every_rank_and_changes_nothing(tmp_path, backend, corruption):
+    if not is_available(backend, "cpu"):
+        pytest.skip(f"backend {backend!r} is not installed")
+    results, codes = workers.spawn(workers.hostile_step, 2, str(tmp_path), corruption, backend)
+    assert all(result is not None for result in results), f"a rank saved nothing; exit codes {codes}"
+    assert results[1]["corrupted_payloads"] >= 1, "the hostile rank never corrupted a payload"
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error is not None, f"rank {rank}: the corrupt payload was accepted"
+        assert "gradcomp: rejected the payload sent by rank 1" in error, f"rank {rank}: {error[:2000]}"
+        assert "group" in error, f"rank {rank}: the error does not name the bucket: {error[:2000]}"
+        before, after = result["residuals_before"], result["residuals_after"]
+        assert any("residuals" in key for key in before), f"rank {rank}: no residuals in the state dict"
+        assert before.keys() == after.keys()
+        for key in before:
+            assert torch.equal(before[key].view(-1).view(torch.uint8), after[key].view(-1).view(torch.uint8)), (
+                f"rank {rank}: {key} changed in the rejected step"
+            )
+        for name, local in result["local_grads"].items():
+            assert torch.equal(result["grads_after"][name], local), f"rank {rank}: the bucket of {name} was written"
+    assert codes == [0, 0], f"ranks exited with {codes}"
