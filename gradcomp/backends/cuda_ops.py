@@ -24,6 +24,7 @@ current stream, so ordering with the surrounding torch work is what torch alread
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -36,6 +37,8 @@ import torch
 
 import gradcomp.csrc
 from gradcomp.backends import checks, register
+
+logger = logging.getLogger(__name__)
 
 SOURCE_DIR = os.path.dirname(os.path.abspath(gradcomp.csrc.__file__))
 #: Kernel sources compiled into one module, in this order.
@@ -257,6 +260,8 @@ def device_launcher(device_index: int) -> CupyLaunch:
                     f"backend='torch' or backend='numba' (or set GRADCOMP_BACKEND)."
                 ) from error
             _launchers[device_index] = launcher
+            logger.info("gradcomp: CUDA kernels compiled for device %d (%s)", device_index,
+                        torch.cuda.get_device_name(device_index))
     return launcher
 
 
