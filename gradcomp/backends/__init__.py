@@ -43,6 +43,17 @@ Where an entry is NaN, the NaN's payload bits in ``values`` and ``residual_out``
 unspecified: backends agree on *which* entries are NaN, not on their bits. The
 selected indices are written in ascending order (int32, or int64 when ``n >= 2**31``) and
 ``values[j] = acc[indices[j]]`` cast to the dtype of ``values``.
+
+Untrusted input. Decoders read payloads that came from other processes, so every op of
+every backend checks its arguments first (:mod:`gradcomp.backends.checks`: dtypes raise
+``TypeError``; shapes and sizes -- residuals of ``n``, ``k`` indices for ``k`` values,
+``k <= n``, ``ceil(n / 16)`` code words -- raise ``ValueError``), before anything is
+written. ``topk_decompress_add`` also rejects indices that do not strictly increase
+inside ``[0, n)`` (out of range, negative, duplicate or unsorted) with ``ValueError`` and
+writes nothing; the numba and CUDA kernels check inside the kernel (``n`` is passed to
+them) and the CUDA decoder also skips any index outside ``[0, n)`` by itself. Padding bits
+of the last 2-bit code word are never decoded. Naming the sending rank is the job of
+:mod:`gradcomp.validation`, which the engine runs on every received payload first.
 """
 from __future__ import annotations
 
