@@ -41,6 +41,10 @@ Public API::
     engine.stats(), engine.state_dict(), engine.load_state_dict(d, parameter_numels=...),
     engine.check_agreement(groups)             # the cross-rank settings check (one tiny collective)
 
+``exchange="two_phase"`` (default ``"allgather"``) exchanges non-summable payloads in two phases
+whose bytes per rank do not grow with the world size (:mod:`gradcomp.two_phase`; its phase 1
+waits for an all-to-all inside ``start``).
+
 ``start`` and ``finish`` do not block: on DDP ``finish`` runs inside the future's ``.then``
 (on a device, the finite check that decides the commit stays a device tensor). The only
 blocking call is :meth:`Engine.check_agreement`, run at set-up and when DDP rebuilds its
@@ -73,6 +77,7 @@ from gradcomp.exchange import average_gathered
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.settings import DEFAULT_MIN_NUMEL, DEFAULT_WARMUP_STEPS, check_backend, check_compressor, check_count
 from gradcomp.telemetry import Telemetry
+from gradcomp.two_phase import TwoPhaseExchange, check_exchange
 from gradcomp.validation import PayloadError, validate_gathered
 
 __all__ = ["Engine", "Handle", "Transport", "SettingsMismatchError", "STATE_FORMAT"]
@@ -84,7 +89,7 @@ STATE_FORMAT = 1
 
 #: What the ranks compare before they exchange anything (see :meth:`Engine.check_agreement`).
 AGREEMENT_FIELDS = ("compressor", "error_feedback", "schedule", "transform", "min_numel", "world_size", "step",
-                    "group_numels", "group_dtypes")
+                    "group_numels", "group_dtypes", "exchange")
 
 
 class SettingsMismatchError(RuntimeError):
@@ -111,6 +116,12 @@ class Transport:
         result is ``[P * buffer.numel()]`` bytes, rank ``r``'s at ``r * buffer.numel()``."""
         raise NotImplementedError
 
+    def all_to_all(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        """All-to-all of the uint8 ``buffer`` of ``P`` equal blocks, block ``j`` to rank ``j``; waits
+        and returns uint8 ``[P * block]``, rank ``i``'s block for this rank at ``i * block``. Only
+        the two-phase exchange (:mod:`gradcomp.two_phase`) needs it."""
+        raise NotImplementedError(f"{type(self).__name__} has no all_to_all; use exchange='allgather'")
+
     def can_allreduce(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether ``allreduce_average`` can sum ``dtype`` tensors (else payloads are gathered)."""
         return True
@@ -130,7 +141,7 @@ class Handle:
         self.keys: Tuple[Hashable, ...] = keys
         self.numels: Tuple[int, ...] = numels
         self.grad: torch.Tensor = grad  # the flat gradient; receives the average
-        self.mode: str = mode  # "dense" | "allreduce" | "allgather"
+        self.mode: str = mode  # "dense" | "allreduce" | "allgather" | "two_phase"
         self.compressor: Optional[Compressor] = compressor
         self.payload: Optional[Payload] = payload
         self.work = None  # the transport's work object (a Future on DDP, a Horovod handle)
@@ -169,11 +180,13 @@ class Engine:
         backend: kernel backend override (``"torch"``, ``"numba"``, ``"cuda"``; else
             ``$GRADCOMP_BACKEND``, else automatic).
         schedule, transform: the extension slots of the module docstring.
+        exchange: ``"allgather"`` or ``"two_phase"`` (:mod:`gradcomp.two_phase`), how payloads
+            that cannot be summed travel.
     """
 
     def __init__(self, compressor: Compressor, transport: Optional[Transport] = None, *,
                  warmup_steps: Optional[int] = None, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True,
-                 backend: Optional[str] = None, schedule=None, transform=None):
+                 backend: Optional[str] = None, schedule=None, transform=None, exchange: str = "allgather"):
         self.compressor = check_compressor(compressor)
         if schedule is not None and warmup_steps is not None:
             raise ValueError("pass warmup_steps or a schedule, not both (a schedule has its own dense steps)")
@@ -194,6 +207,12 @@ class Engine:
         self.backend = backend
         self.schedule = schedule
         self.transform = transform
+        self.exchange = check_exchange(exchange)
+        if self.exchange == "two_phase" and transform is not None:
+            raise ValueError("exchange='two_phase' takes no optimizer-aware transform (its stages see whole "
+                             "groups, two-phase compresses per chunk); use exchange='allgather'")
+        #: The two-phase exchange and its second-stage residuals (``None`` with ``"allgather"``).
+        self.two_phase = TwoPhaseExchange() if self.exchange == "two_phase" else None
         self.transport = transport
         self.residual_memory = ErrorFeedback()
         self.telemetry = Telemetry()
@@ -234,7 +253,7 @@ class Engine:
         return compressor
 
     def mode_of(self, compressor: Optional[Compressor], numel: int, dtype: torch.dtype, device) -> str:
-        """``"dense"``, ``"allreduce"`` or ``"allgather"`` for a group (the same on every rank)."""
+        """``"dense"``, ``"allreduce"``, ``"allgather"`` or ``"two_phase"`` for a group (the same on every rank)."""
         if compressor is None or dtype not in FLOAT_DTYPES or numel < self.min_numel:
             return "dense"
         if compressor.summable:
@@ -243,6 +262,9 @@ class Engine:
                 return "dense"  # the payload is the gradient itself: the framework's own allreduce
             if self.transport is None or self.transport.can_allreduce(layout.segments[0].dtype, torch.device(device)):
                 return "allreduce"
+        if self.two_phase is not None and self.transport is not None and self.two_phase.applies(
+                numel, self.transport.world_size):
+            return "two_phase"
         return "allgather"
 
     # -- one group's exchange ----------------------------------------------------------
@@ -280,6 +302,11 @@ class Engine:
             logger.info("gradcomp: compression starts at step %d with %r", self.step, compressor)
         started = time.perf_counter()
         source = grad if self.transform is None else self.transform.before_compress(keys, numels, grad.float())
+        if mode == "two_phase":
+            residuals = (self.residual_memory.buffers(keys, numels, grad.device)
+                         if compressor.uses_error_feedback and self.error_feedback else None)
+            self.two_phase.start(self, handle, source, residuals, started)
+            return handle
         if mode == "allreduce":
             if compressor.uses_error_feedback and self.error_feedback:
                 residual_in, residual_out = self.residual_memory.buffers(keys, numels, grad.device)
@@ -320,6 +347,8 @@ class Engine:
         the gradient and the residuals as they were. Never blocks.
         """
         grad, mode = handle.grad, handle.mode
+        if mode == "two_phase":
+            return self.two_phase.finish(self, handle, result)
         if mode == "dense":
             if result.data_ptr() != grad.data_ptr():
                 grad.copy_(result.view(-1))
@@ -404,6 +433,7 @@ class Engine:
             "schedule": (type(self.schedule).__name__, schedule),
             "transform": None if self.transform is None else type(self.transform).__name__,
             "min_numel": self.min_numel,
+            "exchange": self.exchange,
             "world_size": self.transport.world_size if self.transport is not None else 1,
             "step": self.step,  # the schedule's position: ranks resumed from different checkpoints differ here
             "group_numels": tuple(tuple(int(n) for n in numels) for numels, _ in groups),
@@ -464,6 +494,7 @@ class Engine:
             "schedule": self.schedule.state_dict() if callable(getattr(self.schedule, "state_dict", None)) else None,
             "transform": self.transform.state_dict() if self.transform is not None else None,
             "residuals": self.residual_memory.state_dict()["residuals"],
+            **({"owner_residuals": self.two_phase.state_dict()} if self.two_phase is not None else {}),
         }
 
     def load_state_dict(self, state_dict, parameter_numels: Optional[Mapping[str, int]] = None,
@@ -549,6 +580,14 @@ class Engine:
             reset_reason = (f"the checkpoint's residuals were made by {saved_spec!r}, "
                             f"this run uses {spec_of(self.compressor)!r}")
 
+        saved_owners = state_dict.get("owner_residuals")
+        assign_owners = None
+        if self.two_phase is not None and saved_owners is not None and reset_reason is None:
+            assign_owners = self.two_phase.prepare_load(saved_owners)  # checks; changes nothing
+        elif self.two_phase is None and saved_owners:
+            warnings.warn("gradcomp: the checkpoint holds second-stage residuals of the two-phase exchange; "
+                          "this run uses exchange='allgather' and drops them")
+
         def assign() -> None:
             # The transform's own load comes first: if it refuses, nothing else has changed.
             if self.transform is not None and saved_transform is not None:
@@ -560,6 +599,11 @@ class Engine:
                 self.residual_memory.reset()
             else:
                 self.residual_memory.load_state_dict({"residuals": kept})
+            if self.two_phase is not None:
+                if assign_owners is not None:
+                    assign_owners()
+                else:
+                    self.two_phase.reset()
 
         return assign
 

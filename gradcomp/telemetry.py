@@ -14,8 +14,9 @@ __all__ = ["Telemetry", "MODES"]
 #: How a group travelled: ``dense`` (the framework's own allreduce of the gradient: warm-up,
 #: a group under ``min_numel`` or a compressor whose payload is the gradient itself),
 #: ``allreduce`` (a summable payload, e.g. fp16), ``allgather`` (fixed-size payloads of every
-#: rank, decoded in rank order), ``sparse`` (Horovod's sparse allreduce of a sparse gradient).
-MODES = ("dense", "allreduce", "allgather", "sparse")
+#: rank, decoded in rank order), ``sparse`` (Horovod's sparse allreduce of a sparse gradient),
+#: ``two_phase`` (all-to-all of chunks, then an allgather of the re-compressed averages).
+MODES = ("dense", "allreduce", "allgather", "sparse", "two_phase")
 
 _SUMMED = ("bytes_sent", "dense_bytes", "compress_s")
 

@@ -61,6 +61,11 @@ class TorchDistributedTransport(Transport):
     def allgather(self, buffer: torch.Tensor, name: str) -> torch.futures.Future:
         return allgather_bytes(buffer, self._group)
 
+    def all_to_all(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        received = torch.empty_like(buffer)
+        dist.all_to_all_single(received, buffer, group=self._group)  # Gloo (CPU) and NCCL have it
+        return received
+
     def agree(self, fingerprint: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(fingerprint) for _ in range(self.world_size)]
         dist.all_gather(parts, fingerprint, group=self._group)
@@ -82,6 +87,7 @@ class CompressionState:
             residuals names that survive a restart. :func:`register` passes it.
         backend: kernel backend override (``"torch"``, ``"numba"``, ``"cuda"``).
         schedule, transform: the engine's extension slots (:mod:`gradcomp.engine`).
+        exchange: ``"allgather"`` (default) or ``"two_phase"`` (:mod:`gradcomp.two_phase`).
     """
 
     __slots__ = ["engine", "process_group", "_param_names", "_parameter_numels"]
@@ -97,11 +103,12 @@ class CompressionState:
         backend: Optional[str] = None,
         schedule=None,
         transform=None,
+        exchange: str = "allgather",
     ):
         self.process_group = process_group
         self.engine = Engine(compressor, TorchDistributedTransport(process_group), warmup_steps=warmup_steps,
                              min_numel=min_numel, error_feedback=error_feedback, backend=backend,
-                             schedule=schedule, transform=transform)  # fmt: skip
+                             schedule=schedule, transform=transform, exchange=exchange)  # fmt: skip
         self._param_names: Optional[Dict[int, str]] = None
         self._parameter_numels: Optional[Dict[str, int]] = None
         if named_parameters is not None:
@@ -126,6 +133,7 @@ class CompressionState:
     backend = property(lambda self: self.engine.backend)
     schedule = property(lambda self: self.engine.schedule)
     transform = property(lambda self: self.engine.transform)
+    exchange = property(lambda self: self.engine.exchange)
 
     @property
     def step(self) -> int:

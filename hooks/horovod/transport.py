@@ -50,6 +50,11 @@ class HorovodTransport(Transport):
         wire = buffer.view(torch.int64 if buffer.numel() % 8 == 0 else torch.uint8)
         return hvd.allgather_async(wire, name=f"gradcomp.{name}", process_set=self.process_set)
 
+    def all_to_all(self, buffer, name):
+        wire = buffer.view(torch.int64 if buffer.numel() % 8 == 0 else torch.uint8)  # as in allgather
+        received = hvd.alltoall(wire, name=f"gradcomp.{name}", process_set=self.process_set)
+        return received.view(torch.uint8)
+
     def can_allreduce(self, dtype, device) -> bool:
         return horovod_can_allreduce(dtype, device)
 
