@@ -307,35 +307,24 @@ class Engine:
                          if compressor.uses_error_feedback and self.error_feedback else None)
             self.two_phase.start(self, handle, source, residuals, started)
             return handle
-        if mode == "allreduce":
-            if compressor.uses_error_feedback and self.error_feedback:
-                residual_in, residual_out = self.residual_memory.buffers(keys, numels, grad.device)
-                payload = compressor.compress(source, residual_in, residual_out, backend=self.backend)
-            else:
-                payload = compressor.compress(source, backend=self.backend)
-            wire = payload["data"]
-            self.telemetry.record(group, wire.numel() * wire.element_size(), dense_bytes,
-                                  time.perf_counter() - started, mode, None)
-            handle.payload = payload
-            self._after_compress(handle)
-            handle.work = self.transport.allreduce_average(wire, str(group))
-            return handle
-
         if compressor.uses_error_feedback and self.error_feedback:
             residual_in, residual_out = self.residual_memory.buffers(keys, numels, grad.device)
             payload = compressor.compress(source, residual_in, residual_out, backend=self.backend)
         else:
             payload = compressor.compress(source, backend=self.backend)
-        self.telemetry.record(group, payload.nbytes, dense_bytes, time.perf_counter() - started, mode,
-                              resolve_backend(grad.device, self.backend))
         handle.payload = payload
-        self._after_compress(handle)
-        handle.work = self.transport.allgather(payload.buffer, str(group))
-        return handle
-
-    def _after_compress(self, handle: Handle) -> None:
         if self.transform is not None:
-            self.transform.after_compress(handle.keys, handle.payload, handle.compressor, handle.grad.numel())
+            self.transform.after_compress(keys, payload, compressor, grad.numel())
+        if mode == "allreduce":  # a summable payload: one segment, summed in place by the allreduce
+            wire = payload["data"]
+            self.telemetry.record(group, wire.numel() * wire.element_size(), dense_bytes,
+                                  time.perf_counter() - started, mode, None)
+            handle.work = self.transport.allreduce_average(wire, str(group))
+        else:
+            self.telemetry.record(group, payload.nbytes, dense_bytes, time.perf_counter() - started, mode,
+                                  resolve_backend(grad.device, self.backend))
+            handle.work = self.transport.allgather(payload.buffer, str(group))
+        return handle
 
     def finish(self, handle: Handle, result: torch.Tensor) -> torch.Tensor:
         """Write the average of ``handle``'s group into its gradient and return the gradient.

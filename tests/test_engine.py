@@ -1,0 +1,119 @@
+"""The engine on its own, with a one-rank transport (the collectives of one rank are copies):
+the order of the pipeline, the extension slots, the dense flush, the transactional commit and
+validation before any write. Multi-rank behaviour is tested through DDP and Horovod."""
+import pytest
+import torch
+
+import gradcomp
+from gradcomp.engine import Engine, Transport
+
+
+class OneRank(Transport):
+    """The collectives of a world of one rank: the average of one tensor is itself."""
+
+    world_size, rank = 1, 0
+
+    def allreduce_average(self, tensor, name):
+        return tensor
+
+    def allgather(self, buffer, name):
+        return buffer.clone()
+
+
+def run(engine, grad, keys=("w",), group=0):
+    handle = engine.start(grad, keys, [grad.numel()], group)
+    return engine.finish(handle, handle.work)
+
+
+class Recorder:
+    """A transform that records the calls the engine makes, and scales what it compresses."""
+
+    def __init__(self):
+        self.calls = []
+
+    def before_compress(self, keys, numels, grad):
+        self.calls.append(("before_compress", keys))
+        return grad * 2
+
+    def after_compress(self, keys, payload, compressor, numel):
+        self.calls.append(("after_compress", keys, numel))
+
+    def dense(self, keys, numels, grad):
+        self.calls.append(("dense", keys))
+        return grad
+
+    def commit(self, keys, accept):
+        self.calls.append(("commit", keys, bool(accept)))
+
+    def state_dict(self):
+        return {"calls": len(self.calls)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_compressed_step_sends_the_compensated_gradient_and_keeps_the_rest():
+    engine = Engine(gradcomp.TopK(0.25), OneRank(), warmup_steps=0, min_numel=0, backend="torch")
+    grad = torch.tensor([1.0, -4.0, 0.5, 2.0])
+    averaged = run(engine, grad.clone())
+    assert torch.equal(averaged, torch.tensor([0.0, -4.0, 0.0, 0.0]))
+    assert torch.equal(engine.residual_memory.residual("w"), torch.tensor([1.0, 0.0, 0.5, 2.0]))
+    engine.end_step()
+    assert torch.equal(run(engine, grad.clone()), torch.tensor([0.0, -4.0, 0.0, 0.0]))  # |-4| still largest
+    assert torch.equal(engine.residual_memory.residual("w"), torch.tensor([2.0, 0.0, 1.0, 4.0]))
+
+
+def test_warm_up_steps_are_dense_and_flush_residuals_held_from_before():
+    engine = Engine(gradcomp.TopK(0.25), OneRank(), warmup_steps=1, min_numel=0, backend="torch")
+    engine.residual_memory.load_state_dict({"residuals": {"w": torch.tensor([1.0, 1.0, 1.0, 1.0])}})
+    grad = torch.tensor([1.0, -4.0, 0.5, 2.0])
+    assert torch.equal(run(engine, grad.clone()), grad + 1)  # dense: gradient plus what was held back
+    assert torch.equal(engine.residual_memory.residual("w"), torch.zeros(4))
+    assert engine.stats()["total"]["compression_ratio"] == 1.0
+
+
+def test_a_non_finite_average_leaves_the_residuals_and_the_transform_uncommitted():
+    transform = Recorder()
+    engine = Engine(gradcomp.TwoBit(0.5), OneRank(), warmup_steps=0, min_numel=0, backend="torch",
+                    transform=transform)  # fmt: skip
+    run(engine, torch.tensor([0.2, 0.1]))
+    before = engine.residual_memory.residual("w").clone()
+    engine.end_step()
+    run(engine, torch.tensor([float("nan"), 0.1]))
+    assert torch.equal(engine.residual_memory.residual("w"), before)
+    assert transform.calls == [("before_compress", ("w",)), ("after_compress", ("w",), 2), ("commit", ("w",), True),
+                               ("before_compress", ("w",)), ("after_compress", ("w",), 2),
+                               ("commit", ("w",), False)]  # fmt: skip
+    assert engine.state_dict()["transform"] == {"calls": 6}
+
+
+def test_a_corrupt_payload_is_rejected_before_the_gradient_or_residuals_change():
+    engine = Engine(gradcomp.TopK(0.5), OneRank(), warmup_steps=0, min_numel=0, backend="torch")
+    grad = torch.tensor([1.0, -4.0, 0.5, 2.0])
+    handle = engine.start(grad, ("w",), [4], "bucket0")
+    gathered = handle.work
+    # Corrupt the received copy of the honest payload: an index out of range.
+    indices_offset = handle.payload.layout.segments[1].offset
+    gathered[indices_offset: indices_offset + 4] = torch.tensor([9], dtype=torch.int32).view(torch.uint8)
+    with pytest.raises(gradcomp.PayloadError, match="rank 0.*group 'bucket0'"):
+        engine.finish(handle, gathered)
+    assert torch.equal(grad, torch.tensor([1.0, -4.0, 0.5, 2.0]))
+    assert torch.equal(engine.residual_memory.residual("w"), torch.zeros(4))
+
+
+def test_summable_compressors_go_through_compress_and_decompress():
+    engine = Engine(gradcomp.FP16(), OneRank(), warmup_steps=0, min_numel=0)
+    grad = torch.tensor([1.0 / 3.0, 2.0])
+    assert torch.equal(run(engine, grad.clone()), grad.half().float())
+    engine.end_step()
+    assert engine.stats()["last_step"]["groups"][0]["mode"] == "allreduce"
+    assert engine.stats()["last_step"]["bytes_sent"] == 4
+
+
+def test_settings_are_validated_once_for_every_integration():
+    with pytest.raises(ValueError, match="warmup_steps or a schedule"):
+        Engine(gradcomp.TopK(0.1), warmup_steps=2, schedule=gradcomp.schedule.DenseWarmup(2))
+    with pytest.raises(TypeError, match="lacks"):
+        Engine(gradcomp.TopK(0.1), transform=object())
+    with pytest.raises(TypeError, match="instance"):
+        Engine(gradcomp.TopK)
