@@ -131,6 +131,20 @@ def test_modules_run_with_dash_m_from_the_repository_root(module):
     assert result.stdout.startswith("usage: ") and "--help" in result.stdout
 
 
+def test_no_module_edits_the_import_path():
+    """Packages import each other by name: the experiments as ``python -m experiments.X``,
+    the tests with the repository root and tests/ on the path (pytest's configuration)."""
+    offenders = []
+    for path in sorted(ROOT.glob("**/*.py")):
+        if {"results", "build", ".git"} & set(path.relative_to(ROOT).parts):
+            continue
+        text = path.read_text(errors="replace")
+        for line_number, line in enumerate(text.splitlines(), 1):
+            if ("sys.path.insert" in line or "sys.path.append" in line) and path.name != "test_experiments.py":
+                offenders.append(f"{path.relative_to(ROOT)}:{line_number}")
+    assert not offenders, offenders
+
+
 def test_train_help_lists_every_method_of_the_catalog():
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
