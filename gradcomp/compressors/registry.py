@@ -3,9 +3,9 @@
 A *spec* is ``name`` or ``name:arguments``, the arguments separated by commas, each a value
 (positional) or ``key=value``::
 
-    >>> from_spec("topk:0.01")              # TopK(density=0.01)
-    >>> from_spec("topk:density=0.01")      # the same
-    >>> from_spec("twobit:0.5"), from_spec("twobit:rms"), from_spec("fp16")
+    from_spec("topk:0.01")              # TopK(density=0.01)
+    from_spec("topk:density=0.01")      # the same
+    from_spec("twobit:0.5"), from_spec("twobit:rms"), from_spec("fp16")
 
 Values are parsed as ``true``/``false`` (bool), ``none`` (None), an integer, a float
 (``0.01``, ``1e-3``), or else a bare word (``rms``). Names are case-insensitive.
