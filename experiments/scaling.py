@@ -1,0 +1,416 @@
+"""Scaling study from the cost model (:mod:`gradcomp.costmodel`), and its validation on this machine.
+
+Model mode (no processes, seconds)::
+
+    python -m experiments.scaling --out experiments/results/scaling
+
+writes ``scaling.json`` (every prediction), ``scaling.md`` (table and crossover points) and
+``scaling.png`` (bytes received per rank and predicted communication time vs P, log P): the
+10.8M-parameter charlm transformer (counted from :mod:`experiments.workloads`) and a 350M-parameter
+model; P = 2 .. 1024; links of 1, 10 and 100 Gbit/s. Flat exchanges (dense fp32 ring, fp16,
+2-bit and top-k 1% by allgather and by two-phase) run with one rank per node, every link at
+the rate; the hierarchical exchange runs with 8 ranks per node (intra-node link
+``--intra-gbit``, default 800 Gbit/s as NVLink-class; the node's link at the rate, shared by its
+8 ranks). Gradients travel in DDP's 25 MB buckets, each one exchange (latency per bucket).
+Kernel time is charged from ``bench_kernels`` JSON (``--bench``; CPU numba rates of this
+machine by default; ``--no-compute`` leaves it out).
+
+Validation mode (real Gloo ranks on loopback)::
+
+    python -m experiments.scaling --measure --out DIR [--links unshaped,1gbit] [--world-sizes 2,4]
+
+For each link (``1gbit``: a private network namespace shaped by :mod:`experiments.netem`, as
+root; else it falls back to unshaped and says so) and each P, ranks first calibrate the link
+(alpha from 8-byte and beta from 16 MB ping-pongs between ranks 0 and 1), then time the
+collectives of each exchange with the exact byte sizes the engine hands over, and the whole
+engine exchange (compress, collectives, validate, decode) for allgather and two-phase.
+All ranks of the emulated link share one medium (netem's docstring), so the model is given
+a per-flow bandwidth of ``beta / P`` when P ranks send at once. Writes ``validation.json``
+and ``validation.md`` (predicted vs measured, ratio). Timings need an idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from gradcomp import TopK, TwoBit
+from gradcomp.costmodel import Cluster, Kernels, Link, gbit, predict
+
+DEFAULT_BENCH = os.path.join(os.path.dirname(__file__), "results", "cpu-2core-2026-11-22", "bench_kernels_2p24.json")
+WORLD_SIZES = tuple(2**i for i in range(1, 11))
+RATES_GBIT = (1, 10, 100)
+RANKS_PER_NODE = 8
+BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+LATENCY_S = 50e-6  # per message on Ethernet (TCP/Gloo-class)
+INTRA_LATENCY_S = 5e-6
+LARGE_MODEL = 350_000_000
+
+#: (label, exchange, compressor factory) of every curve.
+CURVES = (
+    ("dense fp32", "dense", None),
+    ("fp16", "fp16", None),
+    ("2-bit allgather", "allgather", lambda: TwoBit("rms")),
+    ("2-bit two-phase", "two_phase", lambda: TwoBit("rms")),
+    ("top-k 1% allgather", "allgather", lambda: TopK(0.01)),
+    ("top-k 1% two-phase", "two_phase", lambda: TopK(0.01)),
+    ("2-bit hierarchical (8/node)", "hierarchical", lambda: TwoBit("rms")),
+)
+
+
+def charlm_numel() -> int:
+    """Parameters of the default charlm transformer (tied embedding counted once)."""
+    from experiments.workloads import CHARLM_PRESETS, CharTransformer
+
+    return sum(p.numel() for p in CharTransformer(CHARLM_PRESETS["default"]).parameters())
+
+
+def buckets(numel: int, element: int = 4) -> List[int]:
+    """DDP-style buckets of at most :data:`BUCKET_BYTES`."""
+    per = BUCKET_BYTES // element
+    return [per] * (numel // per) + ([numel % per] if numel % per else [])
+
+
+def kernels_for(exchange: str, factory, bench: Optional[str]) -> Kernels:
+    if bench is None or factory is None:
+        return Kernels()
+    compressor = factory()
+    if isinstance(compressor, TopK):
+        return Kernels.from_bench(bench, "topk", density=compressor.density)
+    return Kernels.from_bench(bench, "twobit")
+
+
+def predict_step(label: str, exchange: str, factory, numel: int, world_size: int, rate_gbit: float,
+                 intra_gbit: float, kernels: Kernels) -> dict:
+    """One curve's point: the sum over the model's buckets."""
+    compressor = factory() if factory else None
+    inter = Link(LATENCY_S, gbit(rate_gbit))
+    if exchange == "hierarchical":
+        local = min(RANKS_PER_NODE, world_size)
+        cluster = Cluster(world_size, Link(INTRA_LATENCY_S, gbit(intra_gbit)), inter, ranks_per_node=local)
+    else:
+        cluster = Cluster(world_size, inter, inter, ranks_per_node=1)
+    totals = {"received_bytes": 0.0, "sent_bytes": 0.0, "comm_s": 0.0, "compute_s": 0.0}
+    for size in buckets(numel):
+        cost = predict(exchange, compressor, size, cluster, kernels)
+        for key in totals:
+            totals[key] += getattr(cost, key)
+    return {"label": label, "exchange": exchange, "numel": numel, "world_size": world_size,
+            "rate_gbit": rate_gbit, **totals, "total_s": totals["comm_s"] + totals["compute_s"]}
+
+
+def study(bench: Optional[str], intra_gbit: float, world_sizes: Sequence[int] = WORLD_SIZES) -> List[dict]:
+    models = {"charlm 10.8M": charlm_numel(), "350M": LARGE_MODEL}
+    rows = []
+    for model, numel in models.items():
+        for rate in RATES_GBIT:
+            for label, exchange, factory in CURVES:
+                kernels = kernels_for(exchange, factory, bench)
+                for p in world_sizes:
+                    rows.append({"model": model, **predict_step(label, exchange, factory, numel, p, rate,
+                                                                intra_gbit, kernels)})
+    return rows
+
+
+def crossovers(rows: List[dict]) -> List[dict]:
+    """Per model, rate and curve: the smallest P at which it no longer beats dense fp32 (total time)."""
+    found = []
+    keys = sorted({(r["model"], r["rate_gbit"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    for model, rate in keys:
+        dense = {r["world_size"]: r["total_s"] for r in rows if (r["model"], r["rate_gbit"], r["label"])
+                 == (model, rate, "dense fp32")}
+        for label, _, _ in CURVES[1:]:
+            points = sorted((r["world_size"], r["total_s"]) for r in rows
+                            if (r["model"], r["rate_gbit"], r["label"]) == (model, rate, label))
+            beats = [p for p, t in points if t < dense[p]]
+            loses = [p for p, t in points if t >= dense[p]]
+            if not beats:
+                verdict = "never beats dense"
+            elif not loses or max(beats) > max(loses):
+                later = [p for p in loses if p > min(beats)]
+                verdict = f"beats dense up to P={points[-1][0]}" if not later else f"stops at P={min(later)}"
+            else:
+                verdict = f"stops at P={min(p for p in loses if p > min(beats))}"
+            found.append({"model": model, "rate_gbit": rate, "label": label, "verdict": verdict})
+    return found
+
+
+def _fmt_bytes(value: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def write_markdown(rows: List[dict], path: str, bench: Optional[str], intra_gbit: float) -> None:
+    present = sorted({r["world_size"] for r in rows})
+    shown = [p for p in (2, 8, 32, 128, 512, 1024) if p in present] or present
+    lines = ["# Scaling study (cost model)", "",
+             f"alpha-beta model of gradcomp.costmodel; latency {LATENCY_S * 1e6:.0f} us per message; DDP buckets of "
+             f"25 MB; flat exchanges one rank per node; hierarchical {RANKS_PER_NODE} ranks per node, intra-node "
+             f"{intra_gbit:g} Gbit/s. Kernel time: {os.path.relpath(bench) if bench else 'left out'}.", "",
+             "Predicted communication + kernel seconds per step (bytes received per rank in brackets; for the "
+             "hierarchical exchange they include the dense intra-node traffic). Kernel rates measured on a 2-core "
+             "CPU (numba) make compression look costly at 100 Gbit/s; GPU kernels are about two orders of magnitude "
+             "faster. The dense ring is latency-bound at large P (2 (P - 1) messages per bucket); NCCL's trees "
+             "would lower that part.", ""]
+    for model in sorted({r["model"] for r in rows}):
+        for rate in RATES_GBIT:
+            lines += [f"## {model}, {rate} Gbit/s", "",
+                      "| exchange | " + " | ".join(f"P={p}" for p in shown) + " |",
+                      "|---|" + "---|" * len(shown)]
+            for label, _, _ in CURVES:
+                cells = []
+                for p in shown:
+                    row = next(r for r in rows if (r["model"], r["rate_gbit"], r["label"], r["world_size"])
+                               == (model, rate, label, p))
+                    cells.append(f"{row['total_s']:.3g} s ({_fmt_bytes(row['received_bytes'])})")
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            lines.append("")
+    lines += ["## Crossover points (where an exchange stops beating dense fp32)", "",
+              "| model | link | exchange | verdict |", "|---|---|---|---|"]
+    for item in crossovers(rows):
+        lines.append(f"| {item['model']} | {item['rate_gbit']} Gbit/s | {item['label']} | {item['verdict']} |")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
+def write_plot(rows: List[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(len(models), len(RATES_GBIT) + 1, figsize=(5 * (len(RATES_GBIT) + 1), 4 * len(models)),
+                             squeeze=False)
+    for i, model in enumerate(models):
+        for column in range(len(RATES_GBIT) + 1):
+            axis = axes[i][column]
+            for label, _, _ in CURVES:
+                rate = RATES_GBIT[max(column - 1, 0)]
+                points = sorted((r["world_size"], r["received_bytes"] if column == 0 else r["total_s"]) for r in rows
+                                if (r["model"], r["rate_gbit"], r["label"]) == (model, rate, label))
+                axis.plot([p for p, _ in points], [v for _, v in points], marker=".", label=label)
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.set_xlabel("ranks P")
+            if column == 0:
+                axis.set_title(f"{model}: bytes received per rank per step")
+            else:
+                axis.set_title(f"{model}: predicted step comm time, {RATES_GBIT[column - 1]} Gbit/s")
+                axis.set_ylabel("seconds")
+            axis.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- validation against this machine ---------------------------------------------------------
+VALIDATION_NUMEL = 4 * 1024 * 1024  # 16 MB of float32: bandwidth-dominated, seconds on loopback
+REPEATS = 5
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _median_time(fn, repeats: int) -> float:
+    import torch.distributed as dist
+
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _pingpong(nbytes: int, repeats: int) -> float:
+    """Half the median round trip of ``nbytes`` between ranks 0 and 1 (others wait)."""
+    import torch.distributed as dist
+
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def once():
+        if dist.get_rank() == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        elif dist.get_rank() == 1:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+
+    return _median_time(once, repeats) / 2
+
+
+def _measure_rank(rank: int, world_size: int, port: int, numel: int, repeats: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from gradcomp.engine import Engine
+    from gradcomp.hooks.ddp import TorchDistributedTransport
+
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    try:
+        alpha = _pingpong(8, repeats * 4)
+        big = 16 << 20
+        beta = big / max(_pingpong(big, repeats) - alpha, 1e-9)
+        measured: Dict[str, float] = {}
+        grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        measured["dense"] = _median_time(lambda: dist.all_reduce(grad.clone()), repeats)
+        half = grad.half()
+        measured["fp16"] = _median_time(lambda: dist.all_reduce(half.clone()), repeats)
+        cluster = Cluster(world_size, Link(alpha, beta))
+        for name, compressor in (("twobit", TwoBit("rms")), ("topk", TopK(0.01))):
+            gather = predict("allgather", compressor, numel, cluster)
+            payload = torch.zeros(gather.handed_bytes, dtype=torch.uint8)
+            gathered = torch.empty(world_size * gather.handed_bytes, dtype=torch.uint8)
+            measured[f"{name} allgather"] = _median_time(
+                lambda: dist.all_gather_into_tensor(gathered, payload), repeats)
+            two = predict("two_phase", compressor, numel, cluster)
+            slot1, slot2 = two.parts["slot1"], two.parts["slot2"]
+            a2a_in = torch.zeros(world_size * slot1, dtype=torch.uint8)
+            a2a_out = torch.empty_like(a2a_in)
+            second = torch.zeros(slot2, dtype=torch.uint8)
+            second_out = torch.empty(world_size * slot2, dtype=torch.uint8)
+
+            def two_phase_collectives():
+                dist.all_to_all_single(a2a_out, a2a_in)
+                dist.all_gather_into_tensor(second_out, second)
+
+            measured[f"{name} two_phase"] = _median_time(two_phase_collectives, repeats)
+            for exchange in ("allgather", "two_phase"):
+                engine = Engine(compressor, TorchDistributedTransport(), warmup_steps=0, min_numel=0,
+                                exchange=exchange)
+
+                def engine_step():
+                    handle = engine.start(grad.clone(), ("g",), (numel,), 0)
+                    engine.finish(handle, handle.work.wait()[0])
+                    engine.end_step()
+
+                measured[f"{name} {exchange} engine"] = _median_time(engine_step, repeats)
+        if rank == 0:
+            with open(out, "w") as handle:
+                json.dump({"world_size": world_size, "numel": numel, "alpha_s": alpha, "beta_Bps": beta,
+                           "measured_s": measured}, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_worker(world_size: int, numel: int, repeats: int, out: str) -> None:
+    """Spawn ``world_size`` Gloo ranks here (inside the shaped namespace when there is one)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_measure_rank, args=(world_size, _free_port(), numel, repeats, out), nprocs=world_size,
+                       start_method="spawn", join=True)
+
+
+def predictions_for(record: dict, bench: Optional[str]) -> Dict[str, float]:
+    """The model's figures for one measured record (its own calibrated alpha and beta)."""
+    p, numel = record["world_size"], record["numel"]
+    # P ranks sending at once share one medium (loopback; netem's shaped loopback).
+    cluster = Cluster(p, Link(record["alpha_s"], record["beta_Bps"] / p))
+    predicted = {"dense": predict("dense", None, numel, cluster).comm_s,
+                 "fp16": predict("fp16", None, numel, cluster).comm_s}
+    for name, compressor in (("twobit", TwoBit("rms")), ("topk", TopK(0.01))):
+        kernels = kernels_for("allgather", lambda c=compressor: c, bench)
+        for exchange in ("allgather", "two_phase"):
+            cost = predict(exchange, compressor, numel, cluster, kernels)
+            predicted[f"{name} {exchange}"] = cost.comm_s
+            predicted[f"{name} {exchange} engine"] = cost.total_s
+    return predicted
+
+
+def measure(out_dir: str, links: Sequence[str], world_sizes: Sequence[int], numel: int, repeats: int,
+            bench: Optional[str], timeout_s: float) -> List[dict]:
+    from experiments import netem
+
+    records = []
+    for rate in links:
+        with netem.link(None if rate == netem.UNSHAPED else rate) as shaped:
+            for p in world_sizes:
+                path = os.path.join(out_dir, f"measured_{shaped.label}_p{p}.json")
+                argv = [sys.executable, "-m", "experiments.scaling", "--measure-worker", "--world-size", str(p),
+                        "--numel", str(numel), "--repeats", str(repeats), "--json", path]
+                code = netem.run_bounded(shaped.command(argv), timeout=timeout_s, env=shaped.env())
+                if code != 0 or not os.path.exists(path):
+                    records.append({"link": shaped.label, "world_size": p, "error": f"exit code {code}"})
+                    continue
+                with open(path) as handle:
+                    record = json.load(handle)
+                record.update(shaped.record())
+                record["predicted_s"] = predictions_for(record, bench)
+                records.append(record)
+    with open(os.path.join(out_dir, "validation.json"), "w") as handle:
+        json.dump(records, handle, indent=1)
+    lines = ["# Cost model vs measured exchange time (this machine, loopback)", "",
+             f"n = {numel} float32; median of {repeats}; load average at start "
+             f"{os.getloadavg()[0]:.1f}. alpha, beta calibrated per run by ping-pong between ranks 0 and 1; "
+             "per-flow bandwidth beta / P (one shared medium).", "",
+             "| link | P | exchange | predicted s | measured s | measured / predicted |", "|---|---|---|---|---|---|"]
+    for record in records:
+        if "error" in record:
+            lines.append(f"| {record['link']} | {record['world_size']} | (failed: {record['error']}) | | | |")
+            continue
+        for name, seconds in record["measured_s"].items():
+            predicted = record["predicted_s"][name]
+            lines.append(f"| {record['link']} | {record['world_size']} | {name} | {predicted:.4g} | {seconds:.4g} | "
+                         f"{seconds / predicted:.2f} |")
+    with open(os.path.join(out_dir, "validation.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    return records
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join("experiments", "results", "scaling"))
+    parser.add_argument("--bench", default=DEFAULT_BENCH, help="bench_kernels JSON for kernel throughputs")
+    parser.add_argument("--no-compute", action="store_true", help="model communication only")
+    parser.add_argument("--intra-gbit", type=float, default=800.0, help="intra-node link of the hierarchical case")
+    parser.add_argument("--measure", action="store_true", help="validate the model on this machine")
+    parser.add_argument("--links", default="unshaped,1gbit")
+    parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--numel", type=int, default=VALIDATION_NUMEL)
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per measured run")
+    parser.add_argument("--measure-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    bench = None if args.no_compute else args.bench
+    if args.measure_worker:
+        measure_worker(args.world_size, args.numel, args.repeats, args.json)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    if args.measure:
+        records = measure(args.out, [s.strip() for s in args.links.split(",") if s.strip()],
+                          [int(p) for p in args.world_sizes.split(",")], args.numel, args.repeats, bench, args.timeout)
+        print(open(os.path.join(args.out, "validation.md")).read())
+        return 0 if all("error" not in r for r in records) else 1
+    rows = study(bench, args.intra_gbit)
+    with open(os.path.join(args.out, "scaling.json"), "w") as handle:
+        json.dump({"rows": rows, "crossovers": crossovers(rows)}, handle, indent=1)
+    write_markdown(rows, os.path.join(args.out, "scaling.md"), bench, args.intra_gbit)
+    write_plot(rows, os.path.join(args.out, "scaling.png"))
+    print(f"wrote {args.out}/scaling.json, scaling.md, scaling.png")
+    for item in crossovers(rows):
+        print(f"{item['model']:>13} {item['rate_gbit']:>4} Gbit/s  {item['label']:<28} {item['verdict']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
