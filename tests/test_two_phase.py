@@ -143,3 +143,54 @@ def test_ddp_hook_replicas_agree():
     assert "two_phase" in results[0]["modes"].values()
     assert "owner_residuals" in results[0]["state_keys"]
     assert math.isfinite(float(results[0]["params"][0].sum()))
+
+
+# -- settings and checkpoints, in one process ------------------------------------------------------
+class FourRanks(workers.Transport):
+    """A transport that only reports a world size (mode decisions need no collective)."""
+
+    world_size, rank = 4, 0
+
+
+def test_exchange_setting_is_checked():
+    from gradcomp.engine import Engine
+
+    with pytest.raises(ValueError, match="allgather"):
+        Engine(from_spec("twobit:0.5"), exchange="ring")
+
+    class Stage:
+        def __getattr__(self, name):
+            return lambda *args: None
+
+    with pytest.raises(ValueError, match="transform"):
+        Engine(from_spec("topk:0.01"), exchange="two_phase", transform=Stage())
+    with pytest.raises(NotImplementedError, match="exchange='allgather'"):
+        workers.Transport().all_to_all(torch.zeros(8, dtype=torch.uint8), "g")
+
+
+def test_mode_needs_one_element_per_rank():
+    from gradcomp.engine import Engine
+
+    engine = Engine(from_spec("twobit:0.5"), FourRanks(), min_numel=0, exchange="two_phase")
+    assert engine.mode_of(engine.compressor, 4, torch.float32, "cpu") == "two_phase"
+    assert engine.mode_of(engine.compressor, 3, torch.float32, "cpu") == "allgather"
+    assert engine.mode_of(from_spec("fp16"), 4096, torch.float32, "cpu") == "allreduce"  # summable: unchanged
+
+
+def test_owner_residuals_load_transactionally_and_warn_when_dropped():
+    from gradcomp.engine import Engine
+
+    engine = Engine(from_spec("topk:0.01"), FourRanks(), exchange="two_phase")
+    saved = engine.state_dict()
+    assert saved["owner_residuals"] == {}
+    good = dict(saved, owner_residuals={"two_phase:00:0/4": torch.ones(3)})
+    engine.load_state_dict(good)
+    assert torch.equal(engine.state_dict()["owner_residuals"]["two_phase:00:0/4"], torch.ones(3))
+    for bad in ({"weight": torch.ones(3)}, {"two_phase:00:0/4": torch.tensor([float("nan")])}):
+        with pytest.raises(ValueError):
+            engine.load_state_dict(dict(saved, owner_residuals=bad))
+        assert torch.equal(engine.state_dict()["owner_residuals"]["two_phase:00:0/4"], torch.ones(3))
+    plain = Engine(from_spec("topk:0.01"), FourRanks())
+    with pytest.warns(UserWarning, match="second-stage"):
+        plain.load_state_dict(good)
+    assert "owner_residuals" not in plain.state_dict()
