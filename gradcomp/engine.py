@@ -89,7 +89,7 @@ STATE_FORMAT = 1
 
 #: What the ranks compare before they exchange anything (see :meth:`Engine.check_agreement`).
 AGREEMENT_FIELDS = ("compressor", "error_feedback", "schedule", "transform", "min_numel", "world_size", "step",
-                    "group_numels", "group_dtypes", "exchange")
+                    "group_numels", "group_dtypes")
 
 
 class SettingsMismatchError(RuntimeError):
@@ -417,12 +417,13 @@ class Engine:
         """The settings every rank must share, by field (:data:`AGREEMENT_FIELDS`); backend-independent."""
         schedule = self.schedule.state_dict() if callable(getattr(self.schedule, "state_dict", None)) else None
         return {
-            "compressor": spec_of(self.compressor),
+            # The exchange travels with the compressor: ranks that exchange differently would hang.
+            "compressor": spec_of(self.compressor) + ("" if self.exchange == "allgather"
+                                                      else f" exchange={self.exchange}"),
             "error_feedback": self.error_feedback and self.compressor.uses_error_feedback,
             "schedule": (type(self.schedule).__name__, schedule),
             "transform": None if self.transform is None else type(self.transform).__name__,
             "min_numel": self.min_numel,
-            "exchange": self.exchange,
             "world_size": self.transport.world_size if self.transport is not None else 1,
             "step": self.step,  # the schedule's position: ranks resumed from different checkpoints differ here
             "group_numels": tuple(tuple(int(n) for n in numels) for numels, _ in groups),
