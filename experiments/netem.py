@@ -19,6 +19,16 @@ ranks each sending at once, each gets about half. It is a shared medium of the g
 rate, which is harsher than two full-duplex NICs of that rate. The ``burst`` of 128 KB
 holds two 64 KB loopback packets; ``latency 100ms`` bounds the queue.
 
+Full duplex (``mode="duplex"``, ``--link-mode duplex``): one namespace per rank, each with one
+interface ``gc0`` at ``10.213.0.<rank+1>/24`` whose veth peer sits on a bridge in a hub
+namespace; ``tbf`` shapes the egress of both ends, so each direction of each rank's link has
+the full rate, like a switched full-duplex NIC. All links are created inside the namespaces
+(``ip -n``), none in the host's. A launcher runs on the host; rank ``r`` runs in its namespace
+via :meth:`Link.rank_command` or calls :func:`join_rank_namespace` first thing
+(``$GRADCOMP_NETNS_RANKS`` names the namespaces; ``GLOO_SOCKET_IFNAME=gc0``, ``MASTER_ADDR`` rank 0's).
+Namespaces are deleted on leaving the ``with``, on SIGTERM (raised as ``SystemExit`` inside the
+``with``) and at interpreter exit; ``--clean`` removes those of dead processes.
+
 Without root, or when ``ip netns`` fails, :func:`link` falls back to the unshaped host
 loopback, prints a loud warning, and marks the result (``link="unshaped"``,
 ``link_fallback=True``). Every subprocess here has a timeout.
@@ -35,6 +45,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
 import re
@@ -45,7 +56,7 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 PREFIX = "gcnetem"
 UNSHAPED = "unshaped"
@@ -55,7 +66,12 @@ TBF_LATENCY = "100ms"
 # tc's rate syntax, restricted to plain numbers and units (the value goes to argv only,
 # but a strict pattern gives a clear error for typos such as "1gb").
 _RATE = re.compile(r"^[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.IGNORECASE)
-_NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+$")
+_NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+(-(hub|r\d+))?$")
+LINK_MODES = ("shared", "duplex")
+#: The private range of the duplex topology; it exists only inside the namespaces made here.
+DUPLEX_SUBNET = "10.213.0"
+DUPLEX_IFNAME = "gc0"
+CLONE_NEWNET = 0x40000000
 
 
 @dataclass
@@ -72,17 +88,36 @@ class Link:
     namespace: Optional[str] = None
     fallback_reason: Optional[str] = None
     extra_env: Dict[str, str] = field(default_factory=dict)
+    #: ``"shared"`` (one shaped loopback for all ranks) or ``"duplex"`` (a namespace per rank).
+    mode: str = "shared"
+    #: Duplex: rank ``r``'s namespace, whose interface :data:`DUPLEX_IFNAME` has :meth:`address` ``(r)``.
+    rank_namespaces: Tuple[str, ...] = ()
+    #: Duplex: the namespace holding the bridge that joins the ranks.
+    hub: Optional[str] = None
 
     @property
     def shaped(self) -> bool:
-        return self.namespace is not None
+        return self.namespace is not None or bool(self.rank_namespaces)
+
+    @staticmethod
+    def address(rank: int) -> str:
+        """Rank ``rank``'s address on the duplex link (private, inside its namespace only)."""
+        return f"{DUPLEX_SUBNET}.{rank + 1}"
+
+    def rank_command(self, rank: int, argv: Sequence[str]) -> List[str]:
+        """``argv`` prefixed to run as rank ``rank`` (duplex: in its own namespace; shared: :meth:`command`)."""
+        if not self.rank_namespaces:
+            return self.command(argv)
+        return ["ip", "netns", "exec", self.rank_namespaces[rank], *argv]
 
     @property
     def fallback(self) -> bool:
         return self.fallback_reason is not None
 
     def command(self, argv: Sequence[str]) -> List[str]:
-        """``argv`` prefixed to run inside the namespace (unchanged when unshaped)."""
+        """``argv`` prefixed to run inside the namespace (unchanged when unshaped, and in duplex
+        mode, where a launcher runs on the host and each rank joins its namespace: :meth:`rank_command`
+        or :func:`join_rank_namespace`)."""
         if self.namespace is None:
             return list(argv)
         return ["ip", "netns", "exec", self.namespace, *argv]
@@ -91,6 +126,10 @@ class Link:
         """``base`` (default ``os.environ``) plus what ranks need to talk over the loopback."""
         env = dict(os.environ if base is None else base)
         env.update({"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "GRADCOMP_LINK": self.label})
+        env.pop("GRADCOMP_NETNS_RANKS", None)
+        if self.rank_namespaces:
+            env.update({"GLOO_SOCKET_IFNAME": DUPLEX_IFNAME, "MASTER_ADDR": self.address(0),
+                        "GRADCOMP_NETNS_RANKS": ",".join(self.rank_namespaces)})
         if self.namespace is not None:
             env["GRADCOMP_NETNS"] = self.namespace
         else:
@@ -103,6 +142,7 @@ class Link:
         return {
             "link": self.label,
             "link_requested": self.requested or UNSHAPED,
+            "link_mode": self.mode,
             "shaped": self.shaped,
             "link_fallback": self.fallback,
             "link_fallback_reason": self.fallback_reason,
@@ -202,39 +242,146 @@ def _create(name: str, rate: str) -> None:
           "rate", rate, "burst", TBF_BURST, "latency", TBF_LATENCY])  # fmt: skip
 
 
+def _tbf(namespace: str, device: str, rate: str) -> List[str]:
+    return ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+            "rate", rate, "burst", TBF_BURST, "latency", TBF_LATENCY]  # fmt: skip
+
+
+def _create_duplex(hub: str, ranks: Sequence[str], rate: str) -> None:
+    """A star of full-duplex links: rank ``r``'s namespace has interface :data:`DUPLEX_IFNAME`
+    at ``10.213.0.<r+1>/24``, the other end of its veth pair sits on a bridge in ``hub``.
+    Both ends' egress is shaped at ``rate``, so each direction of each rank's link has the
+    full rate (rank -> hub on the rank's end, hub -> rank on the hub's end). Every link is
+    created inside the namespaces (``ip -n``), never in the host's."""
+    _run(["ip", "netns", "add", hub])
+    _run(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"])
+    _run(["ip", "-n", hub, "link", "set", "br0", "up"])
+    for rank, name in enumerate(ranks):
+        _run(["ip", "netns", "add", name])
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        _run(["ip", "-n", hub, "link", "add", f"h{rank}", "type", "veth", "peer", "name", DUPLEX_IFNAME,
+              "netns", name])  # fmt: skip
+        _run(["ip", "-n", hub, "link", "set", f"h{rank}", "master", "br0", "up"])
+        _run(["ip", "-n", name, "addr", "add", f"{Link.address(rank)}/24", "dev", DUPLEX_IFNAME])
+        _run(["ip", "-n", name, "link", "set", DUPLEX_IFNAME, "up"])
+        _run(_tbf(name, DUPLEX_IFNAME, rate))
+        _run(_tbf(hub, f"h{rank}", rate))
+
+
+# Namespaces this process created and has not deleted yet: removed at exit even when a
+# ``with link(...)`` is never closed (a SIGTERM, an exception in a generator left open).
+_LIVE: List[str] = []
+
+
+def _delete_all(names: Sequence[str]) -> None:
+    present = set(list_namespaces())
+    for name in names:
+        if name in present:
+            _delete(name)
+        with contextlib.suppress(ValueError):
+            _LIVE.remove(name)
+
+
+@atexit.register
+def _delete_live() -> None:
+    _delete_all(list(_LIVE))
+
+
 @contextlib.contextmanager
-def link(rate: Optional[str]) -> Iterator[Link]:
+def _sigterm_unwinds() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit (so ``finally`` blocks delete the namespaces)
+    where it would otherwise kill the process outright; only in the main thread, and only
+    when no handler of the program's own is installed."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def link(rate: Optional[str], mode: str = "shared", ranks: int = 2) -> Iterator[Link]:
     """A :class:`Link` at ``rate`` (``None``/``"unshaped"``: the host loopback) for the
-    duration of the ``with``; the namespace is always deleted afterwards.
+    duration of the ``with``; its namespaces are always deleted afterwards (also on an
+    exception, SIGTERM, or at interpreter exit).
+
+    ``mode="shared"``: one namespace whose loopback is shaped; all ranks share the rate.
+    ``mode="duplex"``: one namespace per rank (``ranks`` of them) joined through a bridge by
+    veth pairs, each direction shaped at ``rate`` (:func:`_create_duplex`); run rank ``r`` with
+    :meth:`Link.rank_command` or have it call :func:`join_rank_namespace`.
 
     Falls back to the unshaped loopback, with :func:`warn_unshaped`, when not root or
-    when creating the namespace fails.
+    when creating the namespaces fails.
     """
+    if mode not in LINK_MODES:
+        raise ValueError(f"link mode must be one of {LINK_MODES}, got {mode!r}")
+    if mode == "duplex" and not 1 <= ranks <= 250:
+        raise ValueError(f"a duplex link joins 1..250 ranks, got {ranks}")
     rate = parse_rate(rate)
     if rate is None:
-        yield Link(label=UNSHAPED)
+        yield Link(label=UNSHAPED, mode=mode)
         return
     reason = shaping_unavailable_reason()
     if reason is not None:
         warn_unshaped(rate, reason)
-        yield Link(label=UNSHAPED, requested=rate, fallback_reason=reason)
+        yield Link(label=UNSHAPED, requested=rate, fallback_reason=reason, mode=mode)
         return
     clean_stale()
     name = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
-    try:
+    names = [name] if mode == "shared" else [f"{name}-hub"] + [f"{name}-r{r}" for r in range(ranks)]
+    _LIVE.extend(names)
+    with _sigterm_unwinds():
         try:
-            _create(name, rate)
-        except (OSError, subprocess.SubprocessError) as error:
-            detail = getattr(error, "stderr", None) or str(error)
-            reason = f"creating the namespace failed ({detail.strip()})"
-            warn_unshaped(rate, reason)
-            _delete(name)
-            yield Link(label=UNSHAPED, requested=rate, fallback_reason=reason)
-            return
-        yield Link(label=rate, requested=rate, namespace=name)
+            try:
+                if mode == "shared":
+                    _create(name, rate)
+                else:
+                    _create_duplex(names[0], names[1:], rate)
+            except (OSError, subprocess.SubprocessError) as error:
+                detail = getattr(error, "stderr", None) or str(error)
+                reason = f"creating the namespace failed ({detail.strip()})"
+                warn_unshaped(rate, reason)
+                _delete_all(names)
+                yield Link(label=UNSHAPED, requested=rate, fallback_reason=reason, mode=mode)
+                return
+            if mode == "shared":
+                yield Link(label=rate, requested=rate, namespace=name)
+            else:
+                yield Link(label=rate, requested=rate, mode=mode, hub=names[0], rank_namespaces=tuple(names[1:]))
+        finally:
+            _delete_all(names)
+
+
+def join_rank_namespace(rank: int, env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """Move the calling thread (call it first thing in a rank process, before any thread or
+    socket is made) into rank ``rank``'s namespace of a duplex link named by
+    ``$GRADCOMP_NETNS_RANKS``; returns the namespace, ``None`` when there is none to join."""
+    import ctypes
+
+    names = (env if env is not None else os.environ).get("GRADCOMP_NETNS_RANKS", "")
+    if not names:
+        return None
+    names = names.split(",")
+    if not 0 <= rank < len(names) or not _NAME.match(names[rank]):
+        raise ValueError(f"rank {rank} has no namespace in GRADCOMP_NETNS_RANKS={','.join(names)!r}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{names[rank]}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {names[rank]} failed: {os.strerror(errno)}")
     finally:
-        if name in list_namespaces():
-            _delete(name)
+        os.close(fd)
+    return names[rank]
 
 
 def run_bounded(argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None, **popen_kwargs) -> int:
@@ -296,6 +443,71 @@ def measure_gbit_s(shaped: Link, nbytes: int = 64 << 20, timeout: float = 60.0) 
     return float(result.stdout.strip().splitlines()[-1])
 
 
+# A duplex probe, run as one process per rank namespace: it receives on its own address
+# (when told to) and sends ``total`` bytes to the peer's; prints the Gbit/s it received at.
+_DUPLEX_PROBE = r"""
+import socket, sys, threading, time
+own, peer, total, send, receive = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"
+PORT = 5201
+server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind((own, PORT)); server.listen(1); server.settimeout(60)
+rate = [0.0]
+def sink():
+    conn, _ = server.accept(); conn.settimeout(60)
+    received, start = 0, None
+    while True:
+        data = conn.recv(1 << 20)
+        if not data:
+            break
+        start = start or time.perf_counter()
+        received += len(data)
+    rate[0] = received * 8 / (time.perf_counter() - start) / 1e9
+thread = threading.Thread(target=sink)
+if receive:
+    thread.start()
+if send:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client = socket.create_connection((peer, PORT), timeout=60); break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    chunk, sent = b"\0" * (1 << 16), 0
+    while sent < total:
+        client.sendall(chunk); sent += len(chunk)
+    client.shutdown(socket.SHUT_WR); client.recv(1); client.close()
+if receive:
+    thread.join(90)
+print(rate[0])
+"""
+
+
+def measure_duplex_gbit_s(shaped: Link, nbytes: int = 4 << 20, both: bool = True, timeout: float = 90.0) -> List[float]:
+    """Received Gbit/s between ranks 0 and 1 of a duplex ``shaped``: ``[1 -> 0, 0 -> 1]`` when
+    ``both`` directions run at once, ``[0 -> 1]`` alone otherwise. Each rate is measured by its
+    receiver from its first byte to the sender's end of stream."""
+    if len(shaped.rank_namespaces) < 2:
+        raise ValueError("measure_duplex_gbit_s needs a duplex link of at least 2 ranks")
+    argv = lambda rank, send, receive: shaped.rank_command(rank, [  # noqa: E731
+        sys.executable, "-c", _DUPLEX_PROBE, Link.address(rank), Link.address(1 - rank), str(nbytes),
+        "1" if send else "0", "1" if receive else "0"])
+    processes = [subprocess.Popen(argv(1, both, True), stdout=subprocess.PIPE, text=True),
+                 subprocess.Popen(argv(0, True, both), stdout=subprocess.PIPE, text=True)]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    if any(p.returncode for p in processes):
+        raise RuntimeError(f"the duplex probe failed: exit {[p.returncode for p in processes]}")
+    rates = [float(out.strip().splitlines()[-1]) for out in outputs]  # [rank 1 received, rank 0 received]
+    return [rates[1], rates[0]] if both else [rates[0]]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.netem",
@@ -303,6 +515,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--rate", default=UNSHAPED, help="tc rate such as 1gbit, 100mbit; 'unshaped' for none")
     parser.add_argument("--check", action="store_true", help="measure the link's TCP throughput")
+    parser.add_argument("--link-mode", choices=LINK_MODES, default="shared",
+                        help="shared: one shaped loopback for all ranks (the rate is their sum); duplex: a namespace "
+                             "per rank joined by veth pairs, each direction shaped at the rate")
+    parser.add_argument("--ranks", type=int, default=2, help="duplex: how many rank namespaces")
     parser.add_argument("--clean", action="store_true", help="delete stale gcnetem-* namespaces and exit")
     parser.add_argument("--timeout", type=float, default=3600.0, help="limit for the command, seconds")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command to run inside the link")
@@ -315,9 +531,15 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    with link(args.rate) as shaped:
-        print(f"netem: link={shaped.label} namespace={shaped.namespace or '-'}", file=sys.stderr, flush=True)
-        if args.check:
+    with link(args.rate, args.link_mode, args.ranks) as shaped:
+        where = shaped.namespace or ",".join(shaped.rank_namespaces) or "-"
+        print(f"netem: link={shaped.label} mode={shaped.mode} namespace={where}", file=sys.stderr, flush=True)
+        if args.check and shaped.rank_namespaces:
+            alone = measure_duplex_gbit_s(shaped, 64 << 20, both=False)[0]
+            both = measure_duplex_gbit_s(shaped, 64 << 20, both=True)
+            print(f"netem: rank 0 -> 1 alone {alone:.3f} Gbit/s; both at once: 1 -> 0 {both[0]:.3f}, "
+                  f"0 -> 1 {both[1]:.3f} Gbit/s", flush=True)
+        elif args.check:
             print(f"netem: one TCP stream over the link: {measure_gbit_s(shaped):.3f} Gbit/s", flush=True)
         if command:
             return run_bounded(shaped.command(command), timeout=args.timeout, env=shaped.env())

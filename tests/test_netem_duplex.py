@@ -1,0 +1,104 @@
+"""The full-duplex link emulation (``experiments.netem``, ``mode="duplex"``), built for real:
+namespaces per rank, veth pairs on a bridge, tbf on each end, a real 2-rank Gloo job across it,
+and every namespace gone afterwards (normal exit, exception, SIGTERM). Needs root and iproute2."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments import netem
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+pytestmark = pytest.mark.skipif(netem.shaping_unavailable_reason() is not None,
+                                reason=f"duplex emulation needs {netem.shaping_unavailable_reason()}")
+
+
+def ours(prefix):
+    return [name for name in netem.list_namespaces() if name.startswith(prefix)]
+
+
+def qdisc(namespace, device):
+    return subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "show", "dev", device],
+                          capture_output=True, text=True, timeout=20, check=True).stdout
+
+
+def test_duplex_link_shapes_each_direction_and_carries_a_gloo_job():
+    with netem.link("100mbit", mode="duplex", ranks=2) as link:
+        prefix = link.hub[: -len("-hub")]
+        assert link.shaped and link.mode == "duplex" and len(link.rank_namespaces) == 2
+        assert sorted(ours(prefix)) == sorted([link.hub, *link.rank_namespaces])
+        # tbf on both ends of each rank's veth: rank -> bridge on the rank's end, bridge -> rank on the hub's.
+        for rank, namespace in enumerate(link.rank_namespaces):
+            for shown in (qdisc(namespace, netem.DUPLEX_IFNAME), qdisc(link.hub, f"h{rank}")):
+                assert "tbf" in shown and "100Mbit" in shown, shown
+
+        # Each direction has the full rate: both at once take about as long as one alone (a shared
+        # medium would halve each, their sum staying at the rate). Generous bounds: the machine may be loaded.
+        nbytes = 6 << 20
+        alone = netem.measure_duplex_gbit_s(link, nbytes, both=False)[0]
+        both = netem.measure_duplex_gbit_s(link, nbytes, both=True)
+        assert 0.04 < alone < 0.12, alone
+        assert sum(both) > 1.4 * alone and min(both) > 0.5 * alone, (alone, both)
+
+        # A real 2-rank Gloo job across the link: rank 0 started in its namespace, rank 1 joins its own.
+        env = dict(link.env(), PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+        assert env["GLOO_SOCKET_IFNAME"] == netem.DUPLEX_IFNAME and env["MASTER_ADDR"] == netem.Link.address(0)
+        worker = os.path.join(HERE, "netem_workers.py")
+        ranks = [subprocess.Popen(link.rank_command(0, [sys.executable, worker, "0", "2", "29517"]), env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+                 subprocess.Popen([sys.executable, worker, "1", "2", "29517", "join"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+        try:
+            outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait(10)
+        assert [rank.returncode for rank in ranks] == [0, 0], outputs
+        assert f"ok 0 {netem.DUPLEX_IFNAME}" in outputs[0] and f"ok 1 {netem.DUPLEX_IFNAME}" in outputs[1], outputs
+    assert ours(prefix) == []
+
+
+def test_duplex_namespaces_are_removed_after_an_exception():
+    with pytest.raises(RuntimeError, match="boom"):
+        with netem.link("1gbit", mode="duplex", ranks=3) as link:
+            prefix = link.hub[: -len("-hub")]
+            assert len(ours(prefix)) == 4
+            raise RuntimeError("boom")
+    assert ours(prefix) == []
+
+
+def test_duplex_namespaces_are_removed_after_sigterm():
+    script = ("import sys, time\nfrom experiments import netem\n"
+              "with netem.link('1gbit', mode='duplex', ranks=2) as link:\n"
+              "    print(link.hub, flush=True)\n    time.sleep(120)\n")
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        hub = process.stdout.readline().strip()
+        prefix = hub[: -len("-hub")]
+        assert hub and len(ours(prefix)) == 3
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    deadline = time.monotonic() + 10
+    while ours(prefix) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ours(prefix) == []
+
+
+def test_shared_mode_is_kept_and_bad_modes_are_refused():
+    with netem.link("1gbit") as link:
+        assert link.mode == "shared" and link.namespace and not link.rank_namespaces
+        assert "tbf" in qdisc(link.namespace, "lo")
+    with pytest.raises(ValueError, match="link mode"):
+        with netem.link("1gbit", mode="halfduplex"):
+            pass
