@@ -194,3 +194,11 @@ def test_owner_residuals_load_transactionally_and_warn_when_dropped():
     with pytest.warns(UserWarning, match="second-stage"):
         plain.load_state_dict(good)
     assert "owner_residuals" not in plain.state_dict()
+
+
+def test_ranks_with_different_exchanges_fail_before_exchanging(tmp_path):
+    results = ddp_workers.spawn(workers.mismatch_worker, 2, str(tmp_path), "topk:0.05", timeout_s=240)
+    for result in results:
+        assert result["error"] is not None and "ranks disagree on compressor" in result["error"], result
+        assert result["handed"] == []
+    assert "'topk:0.05 exchange=two_phase'" in results[0]["error"]  # each rank names its own setting

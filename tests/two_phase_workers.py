@@ -123,3 +123,15 @@ def ddp_worker(rank, world_size, spec, steps):
     modes = {group: s["mode"] for group, s in state.stats()["last_step"]["groups"].items()}
     return {"params": [p.detach().clone() for p in model.parameters()], "modes": modes,
             "state_keys": sorted(state.state_dict())}
+
+
+def mismatch_worker(rank, world_size, spec):
+    """Rank 0 asks for two-phase, the others for allgather: every rank must fail before exchanging."""
+    from gradcomp.engine import SettingsMismatchError
+
+    engine = make_engine(spec, exchange="two_phase" if rank == 0 else "allgather")
+    try:
+        run_steps(engine, rank, range(1))
+    except SettingsMismatchError as error:
+        return {"error": str(error), "handed": list(engine.transport.handed)}
+    return {"error": None, "handed": list(engine.transport.handed)}
