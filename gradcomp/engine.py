@@ -31,7 +31,8 @@ nothing held back is lost) and averages with the framework's own allreduce.
 Public API::
 
     engine = Engine(compressor, transport, warmup_steps=2, min_numel=1024, error_feedback=True,
-                    backend=None, schedule=None, transform=None)
+                    backend=None, schedule=None, transform=None, policy=None)
+    #   policy: per-group choice of compressor, e.g. gradcomp.policy.Auto() (see that module)
     handle = engine.start(flat_grad, keys, numels, group)   # compress + launch; never waits
     #   handle.work is what the transport returned (a torch Future on DDP, a Horovod handle)
     averaged = engine.finish(handle, result)   # result: the collective's output tensor;
@@ -186,8 +187,12 @@ class Engine:
 
     def __init__(self, compressor: Compressor, transport: Optional[Transport] = None, *,
                  warmup_steps: Optional[int] = None, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True,
-                 backend: Optional[str] = None, schedule=None, transform=None, exchange: str = "allgather"):
+                 backend: Optional[str] = None, schedule=None, transform=None, exchange: str = "allgather",
+                 policy=None):
         self.compressor = check_compressor(compressor)
+        #: Optional per-group choice of compressor (:class:`gradcomp.policy.Auto`): asked in ``start``
+        #: for each group on compressed steps, told in ``finish`` when the group's collective completed.
+        self.policy = policy
         if schedule is not None and warmup_steps is not None:
             raise ValueError("pass warmup_steps or a schedule, not both (a schedule has its own dense steps)")
         if schedule is None:
@@ -286,6 +291,8 @@ class Engine:
         if self._steps_run in self.agreement_steps:
             self.check_agreement([(numels, grad.dtype)], group)
         compressor = self.compressor_now()
+        if self.policy is not None:
+            compressor = self.policy.choose(self, group, grad.numel(), grad.dtype, grad.device, compressor)
         mode = self.mode_of(compressor, grad.numel(), grad.dtype, grad.device)
         handle = Handle(group, keys, numels, grad, mode, compressor)
         dense_bytes = grad.numel() * grad.element_size()
@@ -336,6 +343,8 @@ class Engine:
         the gradient and the residuals as they were. Never blocks.
         """
         grad, mode = handle.grad, handle.mode
+        if self.policy is not None:
+            self.policy.finished(handle)
         if mode == "two_phase":
             return self.two_phase.finish(self, handle, result)
         if mode == "dense":
@@ -463,8 +472,12 @@ class Engine:
 
     # -- telemetry and checkpoints -----------------------------------------------------
     def stats(self) -> dict:
-        """See :meth:`gradcomp.telemetry.Telemetry.stats`."""
-        return self.telemetry.stats()
+        """See :meth:`gradcomp.telemetry.Telemetry.stats`; with a policy also ``"policy"``
+        (:meth:`gradcomp.policy.Auto.stats`)."""
+        stats = self.telemetry.stats()
+        if self.policy is not None:
+            stats["policy"] = self.policy.stats()
+        return stats
 
     def state_dict(self, residual_names: Optional[Mapping[Hashable, str]] = None) -> dict:
         """This rank's state, the same format on DDP and Horovod (``torch.load(weights_only=True)`` safe):

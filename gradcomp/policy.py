@@ -1,0 +1,248 @@
+"""``Auto``: pick, per group, the fastest of dense, fp16, 2-bit and top-k on the link actually in use.
+
+How it decides. During the dense warm-up steps the engine already allreduces every group dense;
+the policy times each of those allreduces (launch to completion, less the time it queued behind
+the previous group on the same process group) and knows its bytes. At the first compressed step
+the ranks share these measurements (one tiny blocking allgather, in ``Engine.start``, never in a
+DDP ``.then``), keep per group the fastest rank's time (the others also waited for stragglers'
+backward) and fit the alpha-beta link of :mod:`gradcomp.costmodel` to them. Each group's
+candidates are then timed once on its real size on this rank (compress, plus decoding the ``P``
+payloads; shared the same way, slowest rank kept) and the group gets the candidate of least
+predicted ``comm + compute``; a compressor must beat dense by :attr:`Auto.dense_margin` to be
+chosen. Every rank computes the choice from the same gathered integers, so all ranks agree.
+
+Re-decisions: a group first seen later (DDP rebuilt its buckets) is decided when it first appears;
+every ``recheck_every`` steps the ranks share how measured exchange times compare with the
+predictions, and if the link looks slower or faster by more than ``link_margin`` its bandwidth is
+rescaled and every group is decided again.
+
+Use::
+
+    engine = Engine(gradcomp.TopK(0.01), transport, policy=Auto())     # the base compressor only
+    # switches compression on after warm-up; the policy picks what each group actually uses.
+    state = gc_ddp.register(model, gradcomp.TopK(0.01)); state.engine.policy = Auto()
+
+``stats()["policy"]`` holds the link estimate, each group's choice with predicted and measured
+seconds; the choices are logged once per decision.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from gradcomp import costmodel
+from gradcomp.compressors import from_spec
+from gradcomp.compressors.base import Compressor
+from gradcomp.exchange import average_gathered
+
+__all__ = ["Auto", "DEFAULT_CANDIDATES"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CANDIDATES = ("fp16", "twobit:0.5", "topk:0.01")
+_NS = 1e9
+
+
+class Auto:
+    """The automatic per-group policy held by :class:`gradcomp.engine.Engine` (``policy=``).
+
+    Args:
+        candidates: compressor specs to choose from besides dense.
+        dense_margin: a compressor is chosen only if predicted at most ``1 - dense_margin`` of
+            dense's time (default 0.05: never slower than dense within the model's error).
+        link_margin: re-decide when measured/predicted exchange time leaves
+            ``[1 / (1 + m), 1 + m]`` (default 0.5).
+        recheck_every: steps between those checks (default 100; 0: never).
+        measurement_hook: for tests: ``hook(kind, group, seconds) -> seconds`` replaces each of
+            this rank's own measurements (``kind`` ``"link"`` or ``"kernel:<spec>"``) before they
+            are shared, e.g. to give ranks different measurements and check they still agree.
+    """
+
+    def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, dense_margin: float = 0.05,
+                 link_margin: float = 0.5, recheck_every: int = 100,
+                 measurement_hook: Optional[Callable[[str, Hashable, float], float]] = None):
+        self.candidates: Tuple[Compressor, ...] = tuple(from_spec(s) if isinstance(s, str) else s for s in candidates)
+        if not self.candidates:
+            raise ValueError("Auto needs at least one candidate compressor besides dense")
+        if not 0 <= dense_margin < 1:
+            raise ValueError(f"dense_margin must be in [0, 1), got {dense_margin!r}")
+        if not link_margin > 0:
+            raise ValueError(f"link_margin must be > 0, got {link_margin!r}")
+        if recheck_every < 0:
+            raise ValueError(f"recheck_every must be >= 0, got {recheck_every!r}")
+        self.dense_margin, self.link_margin, self.recheck_every = dense_margin, link_margin, int(recheck_every)
+        self.measurement_hook = measurement_hook
+        self.link: Optional[costmodel.Link] = None
+        self.decisions: Dict[Hashable, dict] = {}
+        self._chosen: Dict[Hashable, Optional[Compressor]] = {}
+        self._kernels: Dict[Tuple[str, int], float] = {}  # (spec, numel) -> agreed seconds
+        # Warm-up samples: (group, bytes) -> [(step, seconds)] (DDP's groups change size when it rebuilds).
+        self._dense: Dict[Tuple[Hashable, int], List[Tuple[int, float]]] = {}
+        self._launched: Dict[Hashable, float] = {}
+        self._last_done = 0.0
+        self._ratios: List[float] = []
+        self._last_check = None
+        self._step_seen = -1
+
+    # -- engine calls --------------------------------------------------------------------
+    def choose(self, engine, group: Hashable, numel: int, dtype: torch.dtype, device,
+               base: Optional[Compressor]) -> Optional[Compressor]:
+        """The compressor for ``group`` this step (``None``: dense). Called by ``Engine.start``
+        for every group; may run a blocking allgather (the same group on every rank)."""
+        new_step = engine.step != self._step_seen
+        self._step_seen = engine.step
+        if base is not None and engine.transport is not None and engine.transport.world_size > 1:
+            if self.link is None:
+                self._agree_link(engine)
+            elif new_step and self.recheck_every and engine.step - self._last_check >= self.recheck_every:
+                self._recheck(engine)
+            if group not in self._chosen or self.decisions[group]["numel"] != numel:  # new or rebuilt
+                self._decide(engine, group, numel, dtype, device)
+            chosen = self._chosen[group]
+        else:
+            chosen = None if base is None else base
+        self._launched[group] = time.perf_counter()
+        return chosen
+
+    def finished(self, handle) -> None:
+        """Called by ``Engine.finish`` first thing, when ``handle``'s collective has completed."""
+        now = time.perf_counter()
+        launched = self._launched.pop(handle.group, None)
+        if launched is None:
+            return
+        # Collectives of one process group run one after another: what a group waited for the
+        # previous one is not its own time.
+        seconds = now - max(launched, self._last_done)
+        self._last_done = now
+        if handle.mode == "dense" and self.link is None:
+            seconds = self._hooked("link", handle.group, seconds)
+            key = (handle.group, handle.grad.numel() * handle.grad.element_size())
+            self._dense.setdefault(key, []).append((self._step_seen, seconds))
+        decision = self.decisions.get(handle.group)
+        if decision is not None and self.link is not None:
+            decision["measured_s"] = seconds
+            if decision["predicted_comm_s"] > 0:
+                self._ratios.append(seconds / decision["predicted_comm_s"])
+                del self._ratios[:-256]
+
+    def stats(self) -> dict:
+        """``{"link": {"latency_s", "bandwidth_Bps"} or None, "groups": {group: {"choice", "mode",
+        "numel", "predicted_s": {choice: s}, "predicted_comm_s", "measured_s"}}}``."""
+        link = None if self.link is None else {"latency_s": self.link.latency_s, "bandwidth_Bps": self.link.bandwidth}
+        return {"link": link, "groups": {g: dict(d) for g, d in self.decisions.items()}}
+
+    def state_dict(self) -> dict:
+        return {"candidates": [c.spec for c in self.candidates]}
+
+    # -- measurements shared by all ranks -------------------------------------------------
+    def _hooked(self, kind: str, group: Hashable, seconds: float) -> float:
+        return float(self.measurement_hook(kind, group, seconds)) if self.measurement_hook else seconds
+
+    @staticmethod
+    def _gather(engine, values: Sequence[float]) -> torch.Tensor:
+        """Every rank's ``values`` (seconds, as integer ns so all ranks hold the same numbers): float64 [P, F]."""
+        local = torch.tensor([max(0, min(int(v * _NS), 2**62)) for v in values], dtype=torch.int64)
+        return engine.transport.agree(local).view(-1, len(values)).to(torch.float64) / _NS
+
+    def _agree_link(self, engine) -> None:
+        if not self._dense:
+            raise RuntimeError("gradcomp.Auto measures the link during dense warm-up steps; use warmup_steps >= 1")
+        # The first warm-up step includes set-up costs: use the later ones when there are any.
+        first = min(step for samples in self._dense.values() for step, _ in samples)
+        later = {key: [t for step, t in samples if step > first] for key, samples in self._dense.items()}
+        if any(later.values()):
+            samples = {key: times for key, times in later.items() if times}
+        else:
+            samples = {key: [t for _, t in v] for key, v in self._dense.items()}
+        # Collectives may complete in another order on each rank: sort, so column i is one group everywhere.
+        keys = sorted(samples, key=lambda key: (repr(key[0]), key[1]))
+        times = [statistics.median(samples[key]) for key in keys]
+        nbytes = [nb for _, nb in keys]
+        fastest = self._gather(engine, times).min(dim=0).values.tolist()
+        self.link = self._fit(engine.transport.world_size, nbytes, fastest)
+        self._last_check = engine.step
+        self._dense.clear()
+
+    @staticmethod
+    def _fit(world_size: int, nbytes: Sequence[int], seconds: Sequence[float]) -> costmodel.Link:
+        """The ring allreduce's ``t = 2(P-1) a + 2(P-1) b / (P B)`` fitted to the samples."""
+        p = world_size
+        k = 2 * (p - 1)
+        if len(set(nbytes)) >= 2:
+            mean_b, mean_t = statistics.fmean(nbytes), statistics.fmean(seconds)
+            var = sum((b - mean_b) ** 2 for b in nbytes)
+            slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(nbytes, seconds)) / var
+            intercept = mean_t - slope * mean_b
+            if slope > 0 and intercept >= 0:
+                return costmodel.Link(intercept / k, k / (p * slope))
+        total_s = max(sum(seconds), 1e-9)
+        return costmodel.Link(0.0, k * sum(nbytes) / (p * total_s))
+
+    def _kernel_seconds(self, engine, compressor: Compressor, numel: int, dtype, device) -> float:
+        """This rank's time to compress ``numel`` elements and decode ``P`` payloads (best of 2)."""
+        p = engine.transport.world_size
+        grad = torch.randn(numel, dtype=dtype, device=device)
+        out = torch.empty(numel, dtype=torch.float32, device=device)
+        best = float("inf")
+        for _ in range(2):
+            started = time.perf_counter()
+            if compressor.uses_error_feedback:
+                residual_in = torch.zeros(numel, dtype=torch.float32, device=device)
+                payload = compressor.compress(grad, residual_in, torch.empty_like(residual_in), backend=engine.backend)
+            else:
+                payload = compressor.compress(grad, backend=engine.backend)
+            if compressor.summable:
+                compressor.decompress(payload, out, engine.backend)
+            else:
+                gathered = payload.buffer.repeat(p)
+                average_gathered(compressor, payload.layout, gathered, out, engine.backend)
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    def _decide(self, engine, group: Hashable, numel: int, dtype, device) -> None:
+        usable = [c for c in self.candidates if engine.mode_of(c, numel, dtype, device) != "dense"]
+        missing = [c for c in usable if (c.spec, numel) not in self._kernels]
+        if missing:
+            local = [self._hooked(f"kernel:{c.spec}", group, self._kernel_seconds(engine, c, numel, dtype, device))
+                     for c in missing]
+            slowest = self._gather(engine, local).max(dim=0).values.tolist()
+            self._kernels.update({(c.spec, numel): s for c, s in zip(missing, slowest)})
+        cluster = costmodel.Cluster(engine.transport.world_size, self.link)
+        dense = costmodel.predict("dense", None, numel, cluster, dtype=dtype)
+        predicted = {"dense": (dense.total_s, dense.comm_s, "dense")}
+        for c in usable:
+            mode = engine.mode_of(c, numel, dtype, device)
+            exchange = "fp16" if mode == "allreduce" else mode
+            cost = costmodel.predict(exchange, c, numel, cluster, dtype=dtype)
+            predicted[c.spec] = (cost.comm_s + self._kernels[(c.spec, numel)], cost.comm_s, mode)
+        best = min((c for c in usable), key=lambda c: predicted[c.spec][0], default=None)
+        if best is not None and predicted[best.spec][0] <= (1 - self.dense_margin) * predicted["dense"][0]:
+            choice = best
+        else:
+            choice = None
+        name = "dense" if choice is None else choice.spec
+        self._chosen[group] = choice
+        self.decisions[group] = {"choice": name, "mode": predicted[name][2], "numel": int(numel),
+                                 "predicted_s": {k: v[0] for k, v in predicted.items()},
+                                 "predicted_comm_s": predicted[name][1], "measured_s": None}
+        logger.info("gradcomp.Auto: group %r (%d elements) -> %s; predicted %s; link %.3g s + bytes / %.3g B/s",
+                    group, numel, name, {k: round(v[0], 6) for k, v in predicted.items()},
+                    self.link.latency_s, self.link.bandwidth)
+
+    def _recheck(self, engine) -> None:
+        """Share how measured exchange times compare with the predictions; rescale the link and
+        decide every group again when they differ by more than ``link_margin``."""
+        self._last_check = engine.step
+        local = statistics.median(self._ratios) if self._ratios else 1.0
+        self._ratios.clear()
+        ratio = self._gather(engine, [local]).min().item()  # the least-waiting rank, as for the link
+        if ratio <= 0 or 1 / (1 + self.link_margin) <= ratio <= 1 + self.link_margin:
+            return
+        logger.info("gradcomp.Auto: exchanges take %.2fx the predicted time; deciding again", ratio)
+        self.link = costmodel.Link(self.link.latency_s * ratio, self.link.bandwidth / ratio)
+        self._chosen.clear()
+        self.decisions.clear()

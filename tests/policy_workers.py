@@ -1,0 +1,46 @@
+"""Rank workers for ``gradcomp.policy.Auto`` on real Gloo ranks, through the DDP hook."""
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp.hooks import ddp as gc_ddp
+from gradcomp.policy import Auto
+
+WARMUP = 2
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128),
+                               torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def link_hook(link_s_by_rank, kernel_scale_by_rank, rank):
+    """A measurement hook that gives each rank its own (injected) link time and scaled kernel times."""
+
+    def hook(kind, group, seconds):
+        if kind == "link":
+            return link_s_by_rank[rank]
+        return seconds * kernel_scale_by_rank[rank]
+
+    return hook
+
+
+def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps):
+    """Train ``steps`` steps with Auto; return the parameters, the policy's stats and choices per step."""
+    model = DDP(make_model(), bucket_cap_mb=0.05)
+    state = gc_ddp.register(model, gradcomp.TopK(0.01), warmup_steps=WARMUP)
+    state.engine.policy = Auto(measurement_hook=link_hook(link_s_by_rank, kernel_scale_by_rank, rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    modes = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(16, 64, generator=generator)
+        y = torch.randint(0, 10, (16,), generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        groups = state.stats()["last_step"]["groups"]
+        modes.append({g: s["mode"] for g, s in groups.items()})
+    stats = state.stats()
+    return {"params": [p.detach().clone() for p in model.parameters()], "policy": stats["policy"], "modes": modes}

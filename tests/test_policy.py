@@ -1,0 +1,73 @@
+"""``gradcomp.policy.Auto`` on 2 real Gloo ranks through the DDP hook: the ranks agree on every
+choice even when their own measurements differ (injected through the policy's documented
+``measurement_hook``), a very slow link picks compression, a very fast one dense, and the
+replicas stay bitwise equal."""
+import math
+
+import pytest
+import torch
+
+import ddp_workers
+import policy_workers as workers
+from gradcomp import costmodel
+from gradcomp.policy import Auto
+
+STEPS = 5
+
+
+def run(tmp_path, link_s_by_rank, kernel_scale_by_rank):
+    return ddp_workers.spawn(workers.auto_worker, 2, str(tmp_path), link_s_by_rank, kernel_scale_by_rank, STEPS,
+                             timeout_s=240)
+
+
+def check_agreement_and_replicas(results):
+    policies = [r["policy"] for r in results]
+    assert policies[0]["link"] == policies[1]["link"] and policies[0]["link"] is not None
+    choices = [{g: d["choice"] for g, d in p["groups"].items()} for p in policies]
+    assert choices[0] == choices[1] and len(choices[0]) >= 2, choices
+    predicted = [{g: d["predicted_s"] for g, d in p["groups"].items()} for p in policies]
+    assert predicted[0] == predicted[1]
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+    assert results[0]["modes"] == results[1]["modes"]
+    return choices[0]
+
+
+def test_very_slow_link_picks_compression_and_ranks_agree(tmp_path):
+    # Ranks measure different link times (3 s and 5 s per bucket) and kernel times (x1, x3).
+    results = run(tmp_path, [3.0, 5.0], [1.0, 3.0])
+    choices = check_agreement_and_replicas(results)
+    assert all(choice in ("twobit:0.5", "topk:0.01") for choice in choices.values()), choices
+    # After warm-up the buckets really travel compressed (gathered payloads).
+    assert all(mode == "dense" for mode in results[0]["modes"][0].values())
+    assert any(mode == "allgather" for mode in results[0]["modes"][-1].values()), results[0]["modes"][-1]
+    # Predicted and measured times are reported for every group.
+    for decision in results[0]["policy"]["groups"].values():
+        assert decision["predicted_s"]["dense"] > decision["predicted_s"][decision["choice"]]
+        assert decision["measured_s"] is not None and decision["measured_s"] >= 0
+
+
+def test_very_fast_link_stays_dense_and_ranks_agree(tmp_path):
+    results = run(tmp_path, [1e-7, 2e-7], [1.0, 0.5])
+    choices = check_agreement_and_replicas(results)
+    assert set(choices.values()) == {"dense"}, choices
+    assert all(mode == "dense" for step in results[0]["modes"] for mode in step.values())
+
+
+def test_link_fit_recovers_an_alpha_beta_link():
+    link = costmodel.Link(20e-6, costmodel.gbit(1.0))
+    cluster = costmodel.Cluster(2, link)
+    nbytes = [4096, 1 << 20, 8 << 20]
+    seconds = [costmodel.predict("dense", None, n // 4, cluster).comm_s for n in nbytes]
+    fitted = Auto._fit(2, nbytes, seconds)
+    assert math.isclose(fitted.latency_s, link.latency_s, rel_tol=1e-6)
+    assert math.isclose(fitted.bandwidth, link.bandwidth, rel_tol=1e-6)
+    one = Auto._fit(2, [1 << 20], [0.01])  # one size: bandwidth only
+    assert one.latency_s == 0 and math.isclose(one.bandwidth, (1 << 20) / 0.01)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="dense_margin"):
+        Auto(dense_margin=1.5)
+    with pytest.raises(ValueError, match="candidate"):
+        Auto(candidates=())
