@@ -88,7 +88,9 @@ def make_model(kind, seed=0):
     if kind == "shuffled":
         return ShuffledMLP()
     if kind == "mlp":
-        return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3)
+        )
     raise ValueError(kind)
 
 

@@ -7,7 +7,6 @@ import warnings
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradcomp
 from ddp_workers import batch, make_compressor, make_model
 from gradcomp.hooks import ddp as gc_ddp
 
@@ -121,7 +120,7 @@ def ddp_modes_run(rank, world_size, mode, specs, steps):
     for spec in specs:
         torch.manual_seed(0)
         model = PartlyUsed() if mode == "unused" else make_model("mlp")
-        kwargs = {"static_graph": True} if mode == "static_graph" else {"find_unused_parameters": True} if mode == "unused" else {}
+        kwargs = {"static_graph": {"static_graph": True}, "unused": {"find_unused_parameters": True}}.get(mode, {})
         ddp = DDP(model, **kwargs)
         if spec is not None:
             gc_ddp.register(ddp, make_compressor(spec), warmup_steps=0, min_numel=0)

@@ -76,7 +76,8 @@ def simulate(spec, steps, world_size, warmup_steps, model_kind, lr=0.05):
 def assert_grads_equal(recorded, simulated):
     for step, (got, want) in enumerate(zip(recorded, simulated)):
         for name in want:
-            assert torch.equal(got[name], want[name]), f"step {step} {name}: max diff {(got[name] - want[name]).abs().max()}"
+            diff = (got[name] - want[name]).abs().max()
+            assert torch.equal(got[name], want[name]), f"step {step} {name}: max diff {diff}"
 
 
 # -- tests ---------------------------------------------------------------------------------------
@@ -100,8 +101,9 @@ CASES = [
 def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp_path, spec, world_size, warmup):
     steps = 20
     results = workers.spawn(
-        workers.train_and_record, world_size, str(tmp_path), spec, steps, "mlp", {"warmup_steps": warmup, "min_numel": 0}
-    )
+        workers.train_and_record, world_size, str(tmp_path), spec, steps, "mlp",
+        {"warmup_steps": warmup, "min_numel": 0},
+    )  # fmt: skip
     for rank in range(1, world_size):
         for name, value in results[0]["params"].items():
             assert torch.equal(results[rank]["params"][name], value), f"rank {rank} diverged in {name}"
@@ -147,7 +149,8 @@ def test_stats_report_exactly_the_bytes_handed_to_the_collectives(tmp_path):
 # -- state object, no processes needed -----------------------------------------------------------
 def test_state_pickles_without_its_process_group():
     model = torch.nn.Linear(4, 2)
-    state = gc_ddp.CompressionState(gradcomp.TopK(0.1), process_group=object(), named_parameters=model.named_parameters())
+    named = model.named_parameters()
+    state = gc_ddp.CompressionState(gradcomp.TopK(0.1), process_group=object(), named_parameters=named)
     state.residuals.buffers(["weight"], [8], "cpu")[0].fill_(3.0)
     state.step = 7
     clone = pickle.loads(pickle.dumps(state))
@@ -190,7 +193,9 @@ def test_hook_uses_numba_automatically_on_cpu_and_matches_the_torch_backend(tmp_
     (tmp_path / "auto").mkdir(), (tmp_path / "torch").mkdir()
     kwargs = {"warmup_steps": 0, "min_numel": 0}
     auto = workers.spawn(workers.train_and_record, 2, str(tmp_path / "auto"), spec, 6, "mlp", kwargs)
-    reference = workers.spawn(workers.train_and_record, 2, str(tmp_path / "torch"), spec, 6, "mlp", {**kwargs, "backend": "torch"})
+    reference = workers.spawn(
+        workers.train_and_record, 2, str(tmp_path / "torch"), spec, 6, "mlp", {**kwargs, "backend": "torch"}
+    )
     assert {b["backend"] for b in auto[0]["stats"]["last_step"]["groups"].values()} == {"numba"}
     assert {b["backend"] for b in reference[0]["stats"]["last_step"]["groups"].values()} == {"torch"}
     # Same canonical tie rule on both backends: the same sets, so the same bits.

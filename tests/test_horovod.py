@@ -24,6 +24,7 @@ import horovod_worker as worker
 try:
     import horovod
     import horovod.torch as hvd
+
     from gradcomp.hooks import horovod as gc_hvd
 
     HOROVOD_ERROR = None

@@ -22,8 +22,9 @@ def assert_same(a, b, what):
 def test_a_non_finite_step_on_one_rank_is_skipped_everywhere_and_forgotten(tmp_path, spec):
     with_bad = [(0, False), (1, False), (2, False), (3, True), (3, False), (4, False), (5, False)]
     clean = [(0, False), (1, False), (2, False), (3, False), (4, False), (5, False)]
-    poisoned = spawn(rw.nonfinite_run, 2, str(tmp_path / "a"), spec, with_bad, 1) if (tmp_path / "a").mkdir() is None else None
-    reference = spawn(rw.nonfinite_run, 2, str(tmp_path / "b"), spec, clean, 1) if (tmp_path / "b").mkdir() is None else None
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    poisoned = spawn(rw.nonfinite_run, 2, str(tmp_path / "a"), spec, with_bad, 1)
+    reference = spawn(rw.nonfinite_run, 2, str(tmp_path / "b"), spec, clean, 1)
     for rank in range(2):
         assert poisoned[rank]["finite_at_bad_step"] is False, f"rank {rank} saw a finite average"
         before, after = poisoned[rank]["residuals_before"], poisoned[rank]["residuals_after"]
@@ -86,7 +87,9 @@ def test_ddp_modes_no_sync_static_graph_and_unused_parameters(tmp_path, mode):
 
 
 def test_a_dying_rank_makes_the_others_fail_with_a_clear_error_not_hang(tmp_path):
-    results, codes = spawn(rw.dying_rank_run, 2, str(tmp_path), ("topk", 0.01), 3, pg_timeout_s=10, timeout_s=90, check=False)
+    results, codes = spawn(
+        rw.dying_rank_run, 2, str(tmp_path), ("topk", 0.01), 3, pg_timeout_s=10, timeout_s=90, check=False
+    )
     assert codes[1] == 3
     survivor = results[0]
     assert survivor is not None and survivor["error"] is not None, "rank 0 did not notice the dead peer"
@@ -96,7 +99,9 @@ def test_a_dying_rank_makes_the_others_fail_with_a_clear_error_not_hang(tmp_path
 
 
 # -- scale limits and degenerate sizes (no processes) --------------------------------------------
-@pytest.mark.parametrize("compressor", [gradcomp.TopK(0.01), gradcomp.TwoBit(0.5), gradcomp.Identity(), gradcomp.FP16()], ids=repr)
+@pytest.mark.parametrize(
+    "compressor", [gradcomp.TopK(0.01), gradcomp.TwoBit(0.5), gradcomp.Identity(), gradcomp.FP16()], ids=repr
+)
 def test_empty_tensors_compress_to_an_empty_payload(compressor):
     empty = torch.zeros(0)
     payload = compressor.compress(empty, torch.zeros(0), torch.zeros(0))
