@@ -58,7 +58,8 @@ class Auto:
             ``[1 / (1 + m), 1 + m]`` (default 0.5).
         recheck_every: steps between those checks (default 100; 0: never).
         measurement_hook: for tests: ``hook(kind, group, seconds) -> seconds`` replaces each of
-            this rank's own measurements (``kind`` ``"link"`` or ``"kernel:<spec>"``) before they
+            this rank's own measurements (``kind`` ``"link"``: a warm-up dense allreduce,
+            ``"kernel:<spec>"``, ``"exchange"``: a group's exchange after the decision) before they
             are shared, e.g. to give ranks different measurements and check they still agree.
     """
 
@@ -124,6 +125,7 @@ class Auto:
             self._dense.setdefault(key, []).append((self._step_seen, seconds))
         decision = self.decisions.get(handle.group)
         if decision is not None and self.link is not None:
+            seconds = self._hooked("exchange", handle.group, seconds)
             decision["measured_s"] = seconds
             if decision["predicted_comm_s"] > 0:
                 self._ratios.append(seconds / decision["predicted_comm_s"])

@@ -26,11 +26,23 @@ def link_hook(link_s_by_rank, kernel_scale_by_rank, rank):
     return hook
 
 
-def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps):
-    """Train ``steps`` steps with Auto; return the parameters, the policy's stats and choices per step."""
+def drifting_hook(rank):
+    """A very slow link in warm-up, then exchanges that take almost nothing: the link got faster."""
+
+    def hook(kind, group, seconds):
+        return {"link": 4.0 + rank, "exchange": 1e-7}.get(kind, seconds)
+
+    return hook
+
+
+def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps, recheck_every=100):
+    """Train ``steps`` steps with Auto; return the parameters, the policy's stats and choices per step.
+    ``link_s_by_rank`` ``"drift"``: :func:`drifting_hook`."""
     model = DDP(make_model(), bucket_cap_mb=0.05)
     state = gc_ddp.register(model, gradcomp.TopK(0.01), warmup_steps=WARMUP)
-    state.engine.policy = Auto(measurement_hook=link_hook(link_s_by_rank, kernel_scale_by_rank, rank))
+    hook = (drifting_hook(rank) if link_s_by_rank == "drift"
+            else link_hook(link_s_by_rank, kernel_scale_by_rank, rank))
+    state.engine.policy = Auto(measurement_hook=hook, recheck_every=recheck_every)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     modes = []
     for step in range(steps):

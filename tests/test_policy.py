@@ -54,6 +54,17 @@ def test_very_fast_link_stays_dense_and_ranks_agree(tmp_path):
     assert all(mode == "dense" for step in results[0]["modes"] for mode in step.values())
 
 
+def test_a_link_that_changes_is_measured_and_decided_again(tmp_path):
+    # Warm-up measures a very slow link (compression); the exchanges afterwards take ~nothing, so at the
+    # check after 2 compressed steps the link is rescaled and every group goes dense.
+    results = ddp_workers.spawn(workers.auto_worker, 2, str(tmp_path), "drift", None, 7, 2, timeout_s=240)
+    choices = check_agreement_and_replicas(results)
+    assert set(choices.values()) == {"dense"}, choices
+    modes = results[0]["modes"]
+    assert any(mode == "allgather" for mode in modes[workers.WARMUP].values()), modes
+    assert all(mode == "dense" for mode in modes[-1].values()), modes
+
+
 def test_link_fit_recovers_an_alpha_beta_link():
     link = costmodel.Link(20e-6, costmodel.gbit(1.0))
     cluster = costmodel.Cluster(2, link)
