@@ -47,6 +47,8 @@ _METHODS = (
     Method("powersgd", "torch's powerSGD_hook, rank 4, error feedback and warm start", "#9467bd"),
     Method("topk", "gradcomp top-k (--density) with error feedback", "#d62728", "topk", "density"),
     Method("twobit", "gradcomp 2-bit (--threshold) with error feedback", "#2ca02c", "twobit", "threshold"),
+    Method("auto", "gradcomp.policy.Auto: per bucket the fastest of dense, fp16, 2-bit and top-k 1% on the "
+           "link it measured during warm-up", "#ff7f0e"),
     Method("topk-noef", "gradcomp top-k without error feedback", "#d62728", "topk", "density", False, False),
     Method("twobit-noef", "gradcomp 2-bit without error feedback", "#2ca02c", "twobit", "threshold", False, False),
 )  # fmt: skip

@@ -131,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m experiments.compare",
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--link-mode", choices=netem.LINK_MODES, default="duplex",
+                        help="duplex (default): a namespace per rank, each direction shaped at the rate; shared: "
+                             "one shaped loopback whose rate all ranks' traffic shares")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_const", dest="mode", const="quick", help="the default; ~12 minutes")
     mode.add_argument("--full", action="store_const", dest="mode", const="full", help="longer runs; hours")
@@ -230,7 +233,7 @@ def execute(run: Run, args, runs_dir: str) -> dict:
         os.remove(run.log)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     started = time.monotonic()
-    with netem.link(run.rate) as link, open(os.path.join(runs_dir, stem + ".out"), "w") as output:
+    with netem.link(run.rate, args.link_mode, args.nproc) as link, open(os.path.join(runs_dir, stem + ".out"), "w") as output:
         env = link.env()
         env["PYTHONUNBUFFERED"] = "1"
         status = netem.run_bounded(

@@ -241,6 +241,17 @@ def attach_method(model, method: str, args, dense_bytes: int):
             random_seed=args.seed,
         )
         model.register_comm_hook(state, in_bucket_order(telemetry.wrap(powersgd.powerSGD_hook, _powersgd_bytes)))
+    elif method == "auto":
+        from gradcomp.compressors import from_spec
+        from gradcomp.hooks import ddp as gradcomp_ddp
+        from gradcomp.policy import Auto
+
+        # The base compressor only switches compression on after the dense warm-up, which is
+        # when Auto has measured the link; Auto picks what each bucket actually uses.
+        telemetry.gradcomp_state = gradcomp_ddp.register(
+            model, from_spec("topk:0.01"), warmup_steps=GRADCOMP_WARMUP_STEPS, backend=args.backend
+        )
+        telemetry.gradcomp_state.engine.policy = Auto()
     elif method in METHODS and METHODS[method].compressor:
         from gradcomp.hooks import ddp as gradcomp_ddp
 
@@ -352,6 +363,9 @@ def _set_thread_env(threads: int) -> None:
 def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespace) -> None:
     """Train on this rank; rank 0 logs. The process group is set up from the environment
     (``MASTER_ADDR``/``MASTER_PORT``)."""
+    from experiments import netem
+
+    netem.join_rank_namespace(rank)  # a full-duplex emulated link: this rank's own namespace (else nothing)
     _set_thread_env(args.threads)
     import torch
     import torch.distributed as dist
@@ -548,7 +562,10 @@ def spawn(args: argparse.Namespace) -> int:
 
     # Local ranks talk over the loopback only (inside netem's namespace it is the shaped
     # one; without GLOO_SOCKET_IFNAME Gloo would pick the interface of the hostname).
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    # A full-duplex link (GRADCOMP_NETNS_RANKS) gives each rank its own namespace: netem set the
+    # address of rank 0 there and the interface.
+    if not os.environ.get("GRADCOMP_NETNS_RANKS"):
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["MASTER_PORT"] = str(_free_port())
     context = multiprocessing.get_context("spawn")
