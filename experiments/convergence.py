@@ -25,6 +25,8 @@ Methods (``method`` in the rows) and what each one runs:
                   optimizer unchanged (momentum / live Adam)
 ``twobit-naive``  today's default: one fixed threshold, 4 x the gradient RMS at the last dense
                   step, error feedback, 2 dense steps, the optimizer unchanged
+``twobit-plainef``  an alternative 2-bit recipe: ``TwoBit("rms")``, the same dense warm-up, plain
+                  error feedback and the optimizer unchanged (no optimizer-aware stage)
 ================  =============================================================================
 
 Optimizers: ``adamw`` (lr 1e-3, weight decay 0) and ``sgdm`` (SGD, momentum 0.9, lr 0.1 for
@@ -71,7 +73,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
-METHODS = ("dense", "fp16", "powersgd", "topk", "twobit", "topk-noef", "twobit-noef", "topk-naive", "twobit-naive")
+METHODS = ("dense", "fp16", "powersgd", "topk", "twobit", "topk-noef", "twobit-noef", "topk-naive", "twobit-naive",
+           "twobit-plainef")
 OPTIMIZERS = ("adamw", "sgdm")
 TOPK_DENSITY = 0.01
 IN_PROGRESS_S = 120.0  # a log written to this recently belongs to a run still going elsewhere
@@ -201,6 +204,11 @@ def attach(model, net, spec: RunSpec, lr: float):
 
     from gradcomp import schedule as schedules
     from gradcomp.optim import DGC, CompressedAdamW
+
+    if variant == "plainef":
+        dense_steps = max(2, round(TWOBIT_DENSE_FRACTION * spec.steps))
+        state = register_engine(model, gradcomp.TwoBit("rms"), schedules.DenseWarmup(dense_steps), None, True)
+        return plain_optimizer(), _GradcompTelemetry(state), no_step_hook, state.compressor
 
     error_feedback = variant != "noef"
     if base == "topk":
@@ -350,7 +358,7 @@ def plan(quick: bool, seeds: List[int]) -> List[RunSpec]:
         methods = ("dense", "topk", "twobit", "topk-naive")
         return [RunSpec("charlm-tiny", o, m, s, 12, 6, 8) for s in seeds for o in OPTIMIZERS for m in methods]
     recipes = ("dense", "topk", "twobit")
-    ablations = ("topk-noef", "twobit-noef", "topk-naive", "twobit-naive")
+    ablations = ("topk-noef", "twobit-noef", "topk-naive", "twobit-naive", "twobit-plainef")
     others = ("fp16", "powersgd")
     runs = []
     for seed in seeds:
