@@ -233,7 +233,8 @@ def execute(run: Run, args, runs_dir: str) -> dict:
         os.remove(run.log)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     started = time.monotonic()
-    with netem.link(run.rate, args.link_mode, args.nproc) as link, open(os.path.join(runs_dir, stem + ".out"), "w") as output:
+    output_path = os.path.join(runs_dir, stem + ".out")
+    with netem.link(run.rate, args.link_mode, args.nproc) as link, open(output_path, "w") as output:
         env = link.env()
         env["PYTHONUNBUFFERED"] = "1"
         status = netem.run_bounded(
