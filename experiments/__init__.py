@@ -4,6 +4,7 @@
 ==================  ===============================================================
 ``compare``         the main job: methods x link rates x workloads, tables and plots
 ``convergence``     the convergence study: long runs of each method's recommended recipe
+``scaling``         the scaling study: the cost model's bytes and times against the number of ranks
 ``train``           the DDP training runner (one method, N ranks over Gloo or NCCL)
 ``horovod_train``   the same under ``horovodrun``, with gradcomp's Horovod optimizer
 ``netem``           link emulation: a tbf-shaped loopback in a private network namespace
