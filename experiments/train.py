@@ -535,14 +535,6 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
         if log is not None:
             log.close()
         dist.destroy_process_group()
-    # Known, not yet fixed (see tests/ddp_workers.py): now and then a rank that ran
-    # Numba parallel kernels from Gloo's callback thread aborts in C++ static destruction
-    # after Python has finalized. Everything is logged and the group is torn down by
-    # now, so skip that teardown: a finished run must not be reported as a failed one.
-    # Only reached on success; any error above propagates with its traceback.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _free_port() -> int:

@@ -60,12 +60,6 @@ def _entry(worker, rank, world_size, port, out_dir, args, pg_timeout_s):
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-    # Known, not yet fixed: now and then a rank that ran Numba parallel kernels from
-    # Gloo's callback thread aborts in C++ static destruction *after* Python has
-    # finalized ("terminate called without an active exception", no Python frame).
-    # All work and results are complete by then; skip the teardown so the tests judge
-    # the training, and see the closing note of the session that added this.
-    os._exit(0)
 
 
 # -- models and data ------------------------------------------------------------------------------
