@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from gradcomp import inflight
 from gradcomp.compressors.base import Compressor
 from gradcomp.payload import Payload, PayloadLayout
 
@@ -32,6 +33,8 @@ def allgather_bytes(buffer: torch.Tensor, group: Optional[dist.ProcessGroup] = N
     future's value is ``[gathered]``, uint8 ``[world_size * buffer.numel()]``."""
     group = group if group is not None else dist.group.WORLD
     gathered = torch.empty(group_size(group) * buffer.numel(), dtype=torch.uint8, device=buffer.device)
+    # Held until Gloo's thread lets go of them, so it never needs the GIL at exit (see inflight).
+    inflight.hold(buffer, gathered)
     work = _all_gather_flat(gathered, buffer, group=group, async_op=True)
     # The work's own future does not carry the output tensor on every backend (Gloo
     # gives back the input), so hand on the buffer we gathered into -- after value()
@@ -40,7 +43,7 @@ def allgather_bytes(buffer: torch.Tensor, group: Optional[dist.ProcessGroup] = N
         fut.value()
         return [gathered]
 
-    return work.get_future().then(gathered_or_raise)
+    return work.get_future().then(inflight.watch(gathered_or_raise))
 
 
 def payload_of_rank(layout: PayloadLayout, gathered: torch.Tensor, rank: int) -> Payload:

@@ -22,6 +22,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from gradcomp import inflight
 from gradcomp.compressors.base import Compressor
 from gradcomp.engine import Engine, Transport
 from gradcomp.error_feedback import ErrorFeedback
@@ -56,6 +57,7 @@ class TorchDistributedTransport(Transport):
         # dividing by P) is what DDP's built-in reducer does, so a dense step is bitwise
         # equal to DDP without a hook.
         tensor.mul_(1.0 / self.world_size)
+        inflight.hold(tensor)  # Gloo's thread must not be its last owner at exit (see gradcomp.inflight)
         return dist.all_reduce(tensor, group=self._group, async_op=True).get_future()
 
     def allgather(self, buffer: torch.Tensor, name: str) -> torch.futures.Future:
@@ -238,7 +240,7 @@ def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torc
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         return engine.finish(handle, _collective_result(fut, bucket))
 
-    return handle.work.then(finish)
+    return handle.work.then(inflight.watch(finish))
 
 
 def register(
