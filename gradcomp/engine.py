@@ -426,9 +426,11 @@ class Engine:
         """The settings every rank must share, by field (:data:`AGREEMENT_FIELDS`); backend-independent."""
         schedule = self.schedule.state_dict() if callable(getattr(self.schedule, "state_dict", None)) else None
         return {
-            # The exchange travels with the compressor: ranks that exchange differently would hang.
+            # How the compressor is chosen and exchanged travels with it: ranks that exchange
+            # differently, or where only some run a policy (it adds collectives), would hang.
             "compressor": spec_of(self.compressor) + ("" if self.exchange == "allgather"
-                                                      else f" exchange={self.exchange}"),
+                                                      else f" exchange={self.exchange}")
+            + ("" if self.policy is None else f" policy={type(self.policy).__name__}{self._policy_settings()}"),
             "error_feedback": self.error_feedback and self.compressor.uses_error_feedback,
             "schedule": (type(self.schedule).__name__, schedule),
             "transform": None if self.transform is None else type(self.transform).__name__,
@@ -438,6 +440,9 @@ class Engine:
             "group_numels": tuple(tuple(int(n) for n in numels) for numels, _ in groups),
             "group_dtypes": tuple(str(dtype) for _, dtype in groups),
         }
+
+    def _policy_settings(self) -> object:
+        return self.policy.state_dict() if callable(getattr(self.policy, "state_dict", None)) else None
 
     def check_agreement(self, groups: Sequence[Tuple[Sequence[int], torch.dtype]], where: Hashable = None) -> None:
         """Compare the settings fingerprint across ranks with one tiny allgather (blocking).
