@@ -90,6 +90,8 @@ class CompressionState:
         backend: kernel backend override (``"torch"``, ``"numba"``, ``"cuda"``).
         schedule, transform: the engine's extension slots (:mod:`gradcomp.engine`).
         exchange: ``"allgather"`` (default) or ``"two_phase"`` (:mod:`gradcomp.two_phase`).
+        policy: a per-bucket choice of method, e.g. :class:`gradcomp.Auto` (measures the link
+            during the dense warm-up, then picks dense, fp16, 2-bit or top-k per bucket).
     """
 
     __slots__ = ["engine", "process_group", "_param_names", "_parameter_numels"]
@@ -106,11 +108,13 @@ class CompressionState:
         schedule=None,
         transform=None,
         exchange: str = "allgather",
+        policy=None,
     ):
         self.process_group = process_group
         self.engine = Engine(compressor, TorchDistributedTransport(process_group), warmup_steps=warmup_steps,
                              min_numel=min_numel, error_feedback=error_feedback, backend=backend,
-                             schedule=schedule, transform=transform, exchange=exchange)  # fmt: skip
+                             schedule=schedule, transform=transform, exchange=exchange,
+                             policy=policy)  # fmt: skip
         self._param_names: Optional[Dict[int, str]] = None
         self._parameter_numels: Optional[Dict[str, int]] = None
         if named_parameters is not None:
@@ -136,6 +140,7 @@ class CompressionState:
     schedule = property(lambda self: self.engine.schedule)
     transform = property(lambda self: self.engine.transform)
     exchange = property(lambda self: self.engine.exchange)
+    policy = property(lambda self: self.engine.policy)
 
     @property
     def step(self) -> int:

@@ -4,6 +4,7 @@ import pytest
 
 import reliability_workers as rw
 from ddp_workers import spawn
+from gradcomp import Auto
 
 BASE = {"warmup_steps": 0, "min_numel": 0}
 CASES = [
@@ -13,6 +14,8 @@ CASES = [
     ("twobit_thresholds", ("twobit:0.5", BASE), ("twobit:0.25", BASE), "compressor"),
     ("min_numel", ("topk:0.01", BASE), ("topk:0.01", {**BASE, "min_numel": 100000}), "min_numel"),
     ("warmup_steps", ("topk:0.01", BASE), ("topk:0.01", {**BASE, "warmup_steps": 2}), "schedule"),
+    ("policy_on_one_rank", ("topk:0.01", {**BASE, "warmup_steps": 2}),
+     ("topk:0.01", {**BASE, "warmup_steps": 2, "policy": Auto()}), "compressor"),
     ("agreeing", ("topk:0.01", BASE), ("topk:0.01", BASE), None),
 ]
 
