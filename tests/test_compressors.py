@@ -145,7 +145,9 @@ ALL = [gradcomp.TopK(0.05), gradcomp.TwoBit(0.5), gradcomp.Identity(), gradcomp.
 @pytest.mark.parametrize("compressor", ALL, ids=repr)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_payload_size_depends_only_on_numel_and_dtype(compressor, dtype):
-    sizes = {compressor.compress(torch.randn(777).to(dtype) * scale, backend="torch").nbytes for scale in (0, 1e-3, 1e3)}
+    sizes = {
+        compressor.compress(torch.randn(777).to(dtype) * scale, backend="torch").nbytes for scale in (0, 1e-3, 1e3)
+    }
     assert sizes == {compressor.layout(777, dtype).nbytes}
     assert compressor.layout(777, dtype).nbytes % 8 == 0
 
