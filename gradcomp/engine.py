@@ -297,9 +297,12 @@ class Engine:
         handle = Handle(group, keys, numels, grad, mode, compressor)
         dense_bytes = grad.numel() * grad.element_size()
         if mode == "dense":
-            self._flush_residuals(keys, numels, grad)
+            # The transform sees the gradient alone, then the residual is added, in the order of
+            # a compressed step (acc = transform(g) + e): a DGC residual already holds velocity,
+            # and must not pass through the momentum a second time.
             if self.transform is not None:
                 grad.copy_(self.transform.dense(keys, numels, grad.float()))
+            self._flush_residuals(keys, numels, grad)
             self.telemetry.record(group, dense_bytes, dense_bytes, 0.0, "dense")
             handle.work = self.transport.allreduce_average(grad, str(group))
             return handle

@@ -117,3 +117,21 @@ def test_settings_are_validated_once_for_every_integration():
         Engine(gradcomp.TopK(0.1), transform=object())
     with pytest.raises(TypeError, match="instance"):
         Engine(gradcomp.TopK)
+
+
+class Doubling(Recorder):
+    """A transform that doubles the gradient on dense steps too (as a momentum would scale it)."""
+
+    def dense(self, keys, numels, grad):
+        self.calls.append(("dense", keys))
+        return grad * 2
+
+
+def test_a_dense_step_applies_the_transform_to_the_gradient_before_adding_what_was_held_back():
+    # The order of a compressed step, acc = transform(g) + e: a residual that already went
+    # through the transform (a DGC velocity) must not go through it again.
+    engine = Engine(gradcomp.TopK(0.25), OneRank(), warmup_steps=1, min_numel=0, backend="torch",
+                    transform=Doubling())  # fmt: skip
+    engine.residual_memory.load_state_dict({"residuals": {"w": torch.tensor([1.0, 1.0, 1.0, 1.0])}})
+    grad = torch.tensor([1.0, -4.0, 0.5, 2.0])
+    assert torch.equal(run(engine, grad.clone()), grad * 2 + 1)
