@@ -120,7 +120,8 @@ def _build_workload(name: str, seed: int, eval_windows: int):
         return workloads.build_workload("charlm", seed=seed, small=True, eval_windows=eval_windows)
     if name == "charlm-tiny":
         overrides = {"d_model": 32, "layers": 1, "heads": 2, "context": 16}
-        return workloads.build_workload("charlm", seed=seed, small=True, charlm_overrides=overrides, eval_windows=eval_windows)
+        return workloads.build_workload("charlm", seed=seed, small=True, charlm_overrides=overrides,
+                                        eval_windows=eval_windows)
     if name == "digits":
         return workloads.build_workload("digits", seed=seed)
     raise ValueError(f"unknown workload {name!r}")
@@ -548,7 +549,8 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     specs = plan(args.quick, seeds)
     if args.only:
-        specs = [s for s in specs if any(fnmatch.fnmatch(f"{s.workload}/{s.optimizer}/{s.method}", p) for p in args.only)]
+        specs = [s for s in specs
+                 if any(fnmatch.fnmatch(f"{s.workload}/{s.optimizer}/{s.method}", p) for p in args.only)]
     runs_dir = os.path.join(args.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     failures = 0

@@ -37,7 +37,7 @@ Example::
 
     >>> schedule = SparsityRamp(dense_steps=2, stage_steps=100)
     >>> [schedule.compressor_at(s, TopK(0.01)) for s in (0, 2, 102, 302)]
-    [None, TopK(ratio=0.25), TopK(ratio=0.0625), TopK(ratio=0.01)]
+    [None, TopK(density=0.25), TopK(density=0.0625), TopK(density=0.01)]
 """
 from __future__ import annotations
 
@@ -113,7 +113,9 @@ class DenseWarmup:
         """Check that ``state_dict`` was saved by an identically configured schedule; raise
         ``ValueError`` naming the difference otherwise (nothing is changed either way)."""
         if not isinstance(state_dict, dict):
-            raise ValueError(f"expected the dict from {type(self).__name__}.state_dict(), got {type(state_dict).__name__}")
+            raise ValueError(
+                f"expected the dict from {type(self).__name__}.state_dict(), got {type(state_dict).__name__}"
+            )
         mine = self.settings()
         theirs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in state_dict.items()}
         if theirs != mine:

@@ -149,7 +149,9 @@ def simulate(kind, steps, world_size=2, masking=True):
                         velocity[(r, k)] = torch.add(grads[r][k], velocity[(r, k)], alpha=MOMENTUM)
                         sent_quantity.append(velocity[(r, k)])
                 elif frozen:
-                    sent_quantity = [torch.lerp(m_state[k].reshape(-1), grads[r][k], 1 - beta1) for r in range(world_size)]
+                    sent_quantity = [
+                        torch.lerp(m_state[k].reshape(-1), grads[r][k], 1 - beta1) for r in range(world_size)
+                    ]
                 else:
                     sent_quantity = [grads[r][k] for r in range(world_size)]
                 if density is None or n < MIN_NUMEL:

@@ -6,10 +6,10 @@ On every rank: a clear gradcomp error naming rank 1 as the sender, no crash, the
 exactly as before the step, and the bucket untouched (it still holds this rank's own local
 gradient, bit for bit).
 """
-import hostile_workers as workers
 import pytest
 import torch
 
+import hostile_workers as workers
 from gradcomp.backends import is_available
 
 CASES = [("torch", corruption) for corruption in workers.CORRUPTIONS]

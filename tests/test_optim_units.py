@@ -1,5 +1,4 @@
 """DGC and CompressedAdamW in one process: errors, masking, transactions, state dicts."""
-import copy
 import io
 
 import pytest

@@ -4,11 +4,11 @@ choice even when their own measurements differ (injected through the policy's do
 replicas stay bitwise equal."""
 import math
 
-import policy_workers as workers
 import pytest
 import torch
 
 import ddp_workers
+import policy_workers as workers
 from gradcomp import costmodel
 from gradcomp.policy import Auto
 

@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-import two_phase_workers as workers
 
 import ddp_workers
+import two_phase_workers as workers
 from gradcomp import from_spec
 from gradcomp.costmodel import Cluster, Link, predict
 
