@@ -106,9 +106,9 @@ def local_gradients(model, rank, step):
 
 # -- workers ---------------------------------------------------------------------------------------
 def make_compressor(spec):
+    """``(name, argument or None)`` -> the compressor, through the registry by name."""
     name, arg = spec
-    return {"topk": gradcomp.TopK, "twobit": gradcomp.TwoBit, "identity": lambda _: gradcomp.Identity(),
-            "fp16": lambda _: gradcomp.FP16()}[name](arg)
+    return gradcomp.from_spec(name if arg is None else f"{name}:{arg!r}")
 
 
 def train_and_record(rank, world_size, spec, steps, model_kind, state_kwargs, ddp_kwargs=None, lr=0.05):

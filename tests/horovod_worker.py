@@ -35,8 +35,9 @@ CHECKPOINT_AT = 10
 
 
 def make_compressor(spec):
+    """``(name, argument or None)`` -> the compressor, through the registry by name."""
     name, arg = spec
-    return {"topk": gradcomp.TopK, "twobit": gradcomp.TwoBit}[name](arg) if arg is not None else gradcomp.BF16()
+    return gradcomp.from_spec(name if arg is None else f"{name}:{arg!r}")
 
 
 def make_model(dtype=torch.float32) -> torch.nn.Module:

@@ -11,12 +11,6 @@ from gradcomp.compressors.registry import from_spec, register, registered, spec_
 from gradcomp.compressors.topk import TopK
 from gradcomp.compressors.twobit import TwoBit
 
-# The casts take no settings. Registering an already registered class under the same
-# name is a no-op, so these lines stay correct once casts.py decorates the classes itself.
-register("identity")(Identity)
-register("fp16")(FP16)
-register("bf16")(BF16)
-
 __all__ = [
     "Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "Cast", "check_gradient",
     "from_spec", "register", "registered", "spec_of",

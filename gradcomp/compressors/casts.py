@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from gradcomp.compressors.base import Compressor, check_gradient
+from gradcomp.compressors.registry import register
 from gradcomp.payload import Payload, PayloadLayout
 
 
@@ -42,16 +43,19 @@ class Cast(Compressor):
         out.add_(payload["data"].float())
 
 
+@register("identity")
 class Identity(Cast):
     """Dense: the payload is the tensor itself, in its own dtype."""
 
 
+@register("fp16")
 class FP16(Cast):
     """Cast to float16 on the wire (as torch's ``fp16_compress_hook``)."""
 
     wire_dtype = torch.float16
 
 
+@register("bf16")
 class BF16(Cast):
     """Cast to bfloat16 on the wire (as torch's ``bf16_compress_hook``)."""
 
