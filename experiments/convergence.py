@@ -65,7 +65,6 @@ import fnmatch
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -315,19 +314,15 @@ def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str],
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_worker(spec: RunSpec, log_path: str, nproc: int, timeout_s: float) -> int:
     """Spawn ``nproc`` local ranks of ``spec``; the exit status (0 when every rank succeeded)."""
     import multiprocessing
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ["MASTER_PORT"] = str(_free_port())
+    from experiments import train
+
+    os.environ["MASTER_PORT"] = str(train.free_port())
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=run_rank, args=(r, nproc, spec, log_path, 300.0)) for r in range(nproc)]
     for process in processes:

@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from experiments.train import free_port
 from gradcomp import TopK, TwoBit
 from gradcomp.costmodel import Cluster, Kernels, Link, gbit, predict
 
@@ -220,12 +220,6 @@ VALIDATION_NUMEL = 4 * 1024 * 1024  # 16 MB of float32: bandwidth-dominated, sec
 REPEATS = 5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _median_time(fn, repeats: int) -> float:
     import torch.distributed as dist
 
@@ -315,7 +309,7 @@ def measure_worker(world_size: int, numel: int, repeats: int, out: str) -> None:
     """Spawn ``world_size`` Gloo ranks here (inside the shaped namespace when there is one)."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_measure_rank, args=(world_size, _free_port(), numel, repeats, out), nprocs=world_size,
+    mp.start_processes(_measure_rank, args=(world_size, free_port(), numel, repeats, out), nprocs=world_size,
                        start_method="spawn", join=True)
 
 

@@ -537,7 +537,8 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback for the ranks' rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -559,7 +560,7 @@ def spawn(args: argparse.Namespace) -> int:
     if not os.environ.get("GRADCOMP_NETNS_RANKS"):
         os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     context = multiprocessing.get_context("spawn")
     processes = [
         context.Process(target=run_rank, args=(rank, args.nproc, rank, args), name=f"rank{rank}", daemon=False)
