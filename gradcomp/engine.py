@@ -73,6 +73,7 @@ import torch
 
 from gradcomp.backends import BACKENDS, resolve_backend
 from gradcomp.compressors.base import FLOAT_DTYPES, Compressor
+from gradcomp.compressors.per_parameter import PerParameter
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.exchange import average_gathered
 from gradcomp.payload import Payload, PayloadLayout
@@ -87,6 +88,9 @@ logger = logging.getLogger(__name__)
 
 #: The version of :meth:`Engine.state_dict`'s layout (recorded as ``"format"``).
 STATE_FORMAT = 1
+
+#: How a group's parameters share a compressed payload (see :class:`Engine`).
+GRANULARITIES = ("parameter", "bucket")
 
 #: What the ranks compare before they exchange anything (see :meth:`Engine.check_agreement`).
 AGREEMENT_FIELDS = ("compressor", "error_feedback", "schedule", "transform", "min_numel", "world_size", "step",
@@ -183,13 +187,24 @@ class Engine:
         schedule, transform: the extension slots of the module docstring.
         exchange: ``"allgather"`` or ``"two_phase"`` (:mod:`gradcomp.two_phase`), how payloads
             that cannot be summed travel.
+        granularity: ``"parameter"`` (default): top-k keeps ``ceil(density * n_i)`` entries of
+            each parameter and a 2-bit scale is per parameter, parameters under ``min_numel``
+            travel dense in the same payload (:mod:`gradcomp.compressors.per_parameter`);
+            ``"bucket"``: the whole group is one tensor. The two-phase exchange chunks the group
+            and ignores it.
     """
 
     def __init__(self, compressor: Compressor, transport: Optional[Transport] = None, *,
                  warmup_steps: Optional[int] = None, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True,
                  backend: Optional[str] = None, schedule=None, transform=None, exchange: str = "allgather",
-                 policy=None):
+                 policy=None, granularity: str = "parameter"):
         self.compressor = check_compressor(compressor)
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        #: ``"parameter"``: each parameter of a group compressed on its own (:class:`PerParameter`);
+        #: ``"bucket"``: the group as one tensor.
+        self.granularity = granularity
+        self._per_parameter: Dict[Tuple[int, Tuple[int, ...]], PerParameter] = {}
         #: Optional per-group choice of compressor (:class:`gradcomp.policy.Auto`): asked in ``start``
         #: for each group on compressed steps, told in ``finish`` when the group's collective completed.
         self.policy = policy
@@ -317,6 +332,12 @@ class Engine:
                          if compressor.uses_error_feedback and self.error_feedback else None)
             self.two_phase.start(self, handle, source, residuals, started)
             return handle
+        if mode == "allgather":
+            compressor = handle.compressor = self._granular(compressor, numels)
+        elif not compressor.uses_error_feedback:
+            # A cast (fp16) keeps no residual: what a compressed step held back for this group
+            # goes out now, as on a dense step (a policy may move a group from top-k to fp16).
+            self._flush_residuals(keys, numels, source)
         if compressor.uses_error_feedback and self.error_feedback:
             residual_in, residual_out = self.residual_memory.buffers(keys, numels, grad.device)
             payload = compressor.compress(source, residual_in, residual_out, backend=self.backend)
@@ -404,6 +425,19 @@ class Engine:
         self.telemetry.end_step()
         self._steps_run += 1
 
+    def _granular(self, compressor: Compressor, numels: Tuple[int, ...]) -> Compressor:
+        """``compressor`` for a group of parameters of ``numels``: per parameter (cached per
+        compressor and layout) or whole, by :attr:`granularity`."""
+        if self.granularity == "bucket" or len(numels) < 2:
+            return compressor
+        key = (id(compressor), numels)
+        wrapped = self._per_parameter.get(key)
+        if wrapped is None or wrapped.base is not compressor:
+            if len(self._per_parameter) > 256:  # schedules make a few compressors; bound the cache anyway
+                self._per_parameter.clear()
+            wrapped = self._per_parameter[key] = PerParameter(compressor, numels, dense_below=self.min_numel)
+        return wrapped
+
     def _flush_residuals(self, keys, numels, grad: torch.Tensor) -> None:
         """Add the residuals still held for ``keys`` into ``grad`` and zero them, so a group
         that goes dense after being compressed loses nothing it held back."""
@@ -433,6 +467,7 @@ class Engine:
             # differently, or where only some run a policy (it adds collectives), would hang.
             "compressor": spec_of(self.compressor) + ("" if self.exchange == "allgather"
                                                       else f" exchange={self.exchange}")
+            + ("" if self.granularity == "parameter" else f" granularity={self.granularity}")
             + ("" if self.policy is None else f" policy={type(self.policy).__name__}{self._policy_settings()}"),
             "error_feedback": self.error_feedback and self.compressor.uses_error_feedback,
             "schedule": (type(self.schedule).__name__, schedule),

@@ -60,6 +60,9 @@ class Compressor(abc.ABC):
     summable: ClassVar[bool] = False
     #: Whether error feedback applies (a lossless or cast-only payload needs none).
     uses_error_feedback: ClassVar[bool] = False
+    #: Whether a payload sends some entries whole and the rest not at all (top-k), so that
+    #: :meth:`sent_indices` names them; quantizers send every entry approximately.
+    sparsifies: ClassVar[bool] = False
 
     @abc.abstractmethod
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:
@@ -99,6 +102,10 @@ class Compressor(abc.ABC):
         from gradcomp.validation import check_layout
 
         check_layout(self, payload, numel)
+
+    def sent_indices(self, payload: Payload) -> Optional[torch.Tensor]:
+        """The positions a sparsifying payload sends whole (an integer tensor), else ``None``."""
+        return None
 
     def decompress(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         """Write ``decompress(payload)`` into ``out`` (any float dtype, ``[n]``) and return it."""

@@ -30,6 +30,7 @@ class TopK(Compressor):
     """
 
     uses_error_feedback = True
+    sparsifies = True
 
     DEFAULT_DENSITY = 0.01
 
@@ -90,6 +91,9 @@ class TopK(Compressor):
         problem = topk_index_problem(payload["indices"], numel)
         if problem is not None:
             raise ValueError(problem)
+
+    def sent_indices(self, payload: Payload) -> torch.Tensor:
+        return payload["indices"]
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         kernel("topk_decompress_add", out.device, backend)(payload["values"], payload["indices"], out)

@@ -124,11 +124,11 @@ class DGC:
         velocity = self._pending.get(keys)
         if velocity is None:
             raise RuntimeError(f"after_compress for {keys[:3]}... without before_compress")
-        sparsifier = "indices" in {s.name for s in payload.layout.segments}
+        sparsifier = compressor.sparsifies
         if not (self.masking if self.masking is not None else sparsifier):
             return
         if sparsifier:
-            velocity.index_fill_(0, payload["indices"].to(torch.int64), 0.0)
+            velocity.index_fill_(0, compressor.sent_indices(payload).to(torch.int64), 0.0)
         else:
             decoded = torch.zeros(numel, dtype=torch.float32, device=velocity.device)
             compressor.decompress_add(payload, decoded)
