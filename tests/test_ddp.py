@@ -26,14 +26,15 @@ def topk_by_hand(acc, ratio):
     return sent
 
 
-def simulate(spec, steps, world_size, warmup_steps, model_kind, lr=0.05):
+def simulate(spec, steps, world_size, warmup_steps, model_kind, lr=0.05, granularity="parameter"):
     """Averaged gradient per step and parameter, computed in one process.
 
     Each rank's gradient comes from a local copy of the model; warm-up steps average as
     DDP does (divide, then sum); compressed steps apply ``acc = g + e``, the compressor
     rule written out by hand, ``e = acc - sent`` and ``(sent_0 + ... + sent_{P-1}) / P``.
-    TwoBit is elementwise, so bucket boundaries do not matter; TopK runs over all
-    parameters at once, so use it with a single-bucket model.
+    With ``granularity="parameter"`` (the engine's default) each parameter is compressed
+    alone; with ``"bucket"`` TopK runs over all parameters at once, so use it with a
+    single-bucket model (TwoBit with a fixed threshold is elementwise either way).
     """
     name, arg = spec
     model = workers.make_model(model_kind)
@@ -54,7 +55,12 @@ def simulate(spec, steps, world_size, warmup_steps, model_kind, lr=0.05):
             total = None
             for rank in range(world_size):
                 acc = torch.cat([local[rank][n].view(-1) + residuals[rank][n] for n in names])
-                sent = twobit_by_hand(acc, arg) if name == "twobit" else topk_by_hand(acc, arg)
+                by_hand = (lambda a: twobit_by_hand(a, arg)) if name == "twobit" else (lambda a: topk_by_hand(a, arg))
+                if granularity == "bucket":
+                    sent = by_hand(acc)
+                else:
+                    sizes = [residuals[rank][n].numel() for n in names]
+                    sent = torch.cat([by_hand(piece) for piece in acc.split(sizes)])
                 offset = 0
                 for n in names:
                     size = residuals[rank][n].numel()
@@ -89,27 +95,29 @@ def test_identity_hook_gives_the_same_gradients_as_ddp_without_hook(tmp_path, wo
 
 
 CASES = [
-    # (compressor spec, world size, warm-up steps)
-    (("topk", 0.01), 2, 2),
-    (("twobit", 0.02), 2, 2),
-    (("topk", 0.01), 3, 0),
-    (("twobit", 0.02), 3, 0),
+    # (compressor spec, world size, warm-up steps, granularity)
+    (("topk", 0.01), 2, 2, "parameter"),
+    (("twobit", 0.02), 2, 2, "parameter"),
+    (("topk", 0.01), 3, 0, "parameter"),
+    (("twobit", 0.02), 3, 0, "parameter"),
+    (("topk", 0.01), 2, 2, "bucket"),
 ]
 
 
-@pytest.mark.parametrize("spec,world_size,warmup", CASES, ids=lambda c: str(c))
-def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp_path, spec, world_size, warmup):
+@pytest.mark.parametrize("spec,world_size,warmup,granularity", CASES, ids=lambda c: str(c))
+def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp_path, spec, world_size, warmup,
+                                                                             granularity):
     steps = 20
     results = workers.spawn(
         workers.train_and_record, world_size, str(tmp_path), spec, steps, "mlp",
-        {"warmup_steps": warmup, "min_numel": 0},
+        {"warmup_steps": warmup, "min_numel": 0, "granularity": granularity},
     )  # fmt: skip
     for rank in range(1, world_size):
         for name, value in results[0]["params"].items():
             assert torch.equal(results[rank]["params"][name], value), f"rank {rank} diverged in {name}"
     compressed_steps = [s for s, _, _ in results[0]["layouts"] if s >= warmup]
     assert len(compressed_steps) >= steps - warmup  # the compressed path really ran
-    assert_grads_equal(results[0]["grads"], simulate(spec, steps, world_size, warmup, "mlp"))
+    assert_grads_equal(results[0]["grads"], simulate(spec, steps, world_size, warmup, "mlp", granularity=granularity))
 
 
 def test_residuals_follow_their_parameters_across_the_bucket_rebuild(tmp_path):

@@ -43,6 +43,8 @@ from typing import Dict, Hashable, Iterable, Sequence, Tuple, Union
 
 import torch
 
+from gradcomp.optim.names import unwrapped
+
 __all__ = ["CompressedAdamW"]
 
 UNITS = ("momentum", "update")
@@ -76,7 +78,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         variance_floor: float = 0.1,
         units: str = "momentum",
     ):
-        named = list(named_parameters)
+        named = unwrapped(named_parameters)
         if not named or not all(isinstance(item, tuple) and len(item) == 2 for item in named):
             raise TypeError("CompressedAdamW takes model.named_parameters() (name, parameter) pairs")
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
@@ -180,9 +182,17 @@ class _MomentumTransform:
     def __init__(self, optimizer: CompressedAdamW):
         self.optimizer = optimizer
 
+    def parameter_names(self):
+        """The names this stage knows (the engine's keys)."""
+        return set(self.optimizer.names)
+
     def _apply(self, keys: Sequence[Hashable], numels: Sequence[int], grad: torch.Tensor) -> torch.Tensor:
         names = self.optimizer.names
-        if not any(self.optimizer.frozen(self.optimizer._group_of(names[k])) for k in keys if k in names):
+        unknown = [k for k in keys if k not in names]
+        if unknown:
+            raise KeyError(f"CompressedAdamW has no parameters named {unknown[:3]}; build it from the "
+                           "named_parameters() of the model DDP wraps")
+        if not any(self.optimizer.frozen(self.optimizer._group_of(names[k])) for k in keys):
             return grad
         out = torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
         offset = 0

@@ -37,6 +37,7 @@ from typing import Dict, Hashable, Iterable, Optional, Sequence, Tuple, Union
 import torch
 
 from gradcomp.error_feedback import ErrorFeedback
+from gradcomp.optim.names import unwrapped
 
 __all__ = ["DGC"]
 
@@ -76,6 +77,8 @@ class DGC:
             learning-rate changes, and so does this, matching dense SGD-momentum exactly.
         residual_memory: the engine's :class:`~gradcomp.ErrorFeedback` (``state.residual_memory``)
             to rescale with the velocity; optional.
+        weight_decay: SGD's L2 term, moved here with the momentum: ``u = m * u + g + wd * p``
+            (the optimizer then runs with ``weight_decay=0``), which is torch's SGD exactly.
 
     State: one float32 velocity per parameter name, transactional like the residuals (written
     to a spare buffer, committed only when the step's average is finite on every rank).
@@ -89,17 +92,21 @@ class DGC:
         masking: Optional[bool] = None,
         rescale_on_lr_change: bool = False,
         residual_memory: Optional[ErrorFeedback] = None,
+        weight_decay: float = 0.0,
     ):
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
         if masking not in (True, False, None):
             raise ValueError(f"masking must be True, False or None (by compressor), got {masking!r}")
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
         self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
         self.masking = masking
         self.rescale_on_lr_change = bool(rescale_on_lr_change)
         self.residual_memory = residual_memory
         self.optimizer = optimizer
-        self._params: Dict[str, torch.nn.Parameter] = dict(named_parameters)
+        self._params: Dict[str, torch.nn.Parameter] = dict(unwrapped(named_parameters))
         if not self._params:
             raise ValueError("DGC needs the model's named_parameters() (got none)")
         if optimizer is not None:
@@ -148,9 +155,24 @@ class DGC:
             if self.rescale_on_lr_change:
                 self._rescale(keys, numels, grad.device)
         current, spare = self.velocity.buffers(keys, numels, grad.device)
-        torch.add(grad.float(), current, alpha=self.momentum, out=spare)
+        grad = grad.float()
+        if self.weight_decay:
+            grad = grad + self.weight_decay * torch.cat([self._param(key).detach().reshape(-1).float()
+                                                         for key in keys])
+        torch.add(grad, current, alpha=self.momentum, out=spare)
         self._pending[keys] = spare
         return spare
+
+    def _param(self, key) -> torch.nn.Parameter:
+        try:
+            return self._params[key]
+        except KeyError:
+            raise KeyError(f"DGC has no parameter named {key!r}; build it from the named_parameters() of the module "
+                           "that DDP wraps") from None
+
+    def parameter_names(self):
+        """The names this stage knows (the engine's keys)."""
+        return set(self._params)
 
     def _lr_of(self) -> Dict[int, float]:
         return {id(p): float(group["lr"]) for group in self.optimizer.param_groups for p in group["params"]}
@@ -177,7 +199,8 @@ class DGC:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def settings(self) -> dict:
-        return {"momentum": self.momentum, "masking": self.masking, "rescale_on_lr_change": self.rescale_on_lr_change}
+        return {"momentum": self.momentum, "masking": self.masking, "rescale_on_lr_change": self.rescale_on_lr_change,
+                "weight_decay": self.weight_decay}
 
     def state_dict(self) -> dict:
         """``{"settings": {...}, "velocity": {name: float32 tensor}, "lr": {name: float}}``, on CPU."""
