@@ -67,6 +67,8 @@ class Plan:
     optimizer_stage: str = "error feedback"
     expected_compression: float = 1.0
     notes: Sequence[str] = field(default_factory=tuple)
+    #: Compressor classes that do not converge with this optimizer stage (a policy must not pick them).
+    unsuited: Tuple[type, ...] = ()
 
     @property
     def summary(self) -> str:
@@ -181,7 +183,11 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     transform, stage_name = None, "error feedback"
     if optimizer is not None:
         transform, stage_name = _optimizer_stage(optimizer, compressor, named, dense_steps, notes)
-    result = Plan(compressor, total_steps, dense_steps, schedule, transform, stage_name, expected, tuple(notes))
+    from gradcomp.optim import DGC
+
+    unsuited = (TwoBit,) if isinstance(transform, DGC) else ()
+    result = Plan(compressor, total_steps, dense_steps, schedule, transform, stage_name, expected, tuple(notes),
+                  unsuited)
     logger.info("gradcomp recipe: %s", result.summary)
     for note in notes:
         warnings.warn(f"gradcomp recipe: {note}")
