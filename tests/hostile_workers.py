@@ -64,10 +64,13 @@ def _entry(worker, rank, world_size, port, out_dir, args, pg_timeout_s):
         dist.destroy_process_group()
 
 
-def corrupt(payload, corruption: str, seed: int = 0) -> None:
+def corrupt(payload, corruption: str, seed: int = 0) -> bool:
     """Overwrite a top-k payload in place, as a faulty or malicious peer would; its size and
-    layout stay the same, so the allgather itself succeeds and only validation can tell."""
+    layout stay the same, so the allgather itself succeeds and only validation can tell.
+    Returns whether the payload changed (reordering needs at least two indices)."""
     indices = payload["indices"]
+    if corruption in ("duplicate", "unsorted") and indices.numel() < 2:
+        return False
     if corruption == "out_of_range":
         indices[-1] = torch.iinfo(indices.dtype).max
     elif corruption == "negative":
@@ -83,6 +86,7 @@ def corrupt(payload, corruption: str, seed: int = 0) -> None:
         payload.buffer.copy_(torch.randint(0, 256, payload.buffer.shape, dtype=torch.uint8, generator=generator))
     else:
         raise ValueError(f"unknown corruption {corruption!r}; known: {CORRUPTIONS}")
+    return True
 
 
 def corrupting_topk(density: float, corruption: str, armed: dict) -> gradcomp.TopK:
@@ -97,8 +101,7 @@ def corrupting_topk(density: float, corruption: str, armed: dict) -> gradcomp.To
 
     def compress(*args, **kwargs):
         payload = honest_compress(*args, **kwargs)
-        if armed["on"]:
-            corrupt(payload, corruption, seed=armed["calls"])
+        if armed["on"] and corrupt(payload, corruption, seed=armed["calls"]):
             armed["calls"] += 1
         return payload
 

@@ -136,7 +136,9 @@ def simulate(cfg):
                     acc = flats[rank].float()
                     if feedback:
                         acc = acc + residuals[rank].get(unit, torch.zeros_like(acc))
-                    sent = sent_by_hand(spec, acc, dtype)
+                    # The engine compresses each parameter of a group on its own (granularity "parameter").
+                    sizes = [local[0][n].numel() for n in unit]
+                    sent = torch.cat([sent_by_hand(spec, piece, dtype) for piece in acc.split(sizes)])
                     if feedback:
                         residuals[rank][unit] = acc - sent
                     total = total + sent
