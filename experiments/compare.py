@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from experiments import netem
-from experiments.catalog import ALL_METHODS, RECORD_FIELDS, TIMING_METHODS, link_key, read_log
+from experiments.catalog import ALL_METHODS, METHODS, RECORD_FIELDS, TIMING_METHODS, link_key, read_log
 
 # The runs start the runner as a module of this package, from the directory that holds it,
 # wherever --out points.
@@ -191,7 +191,7 @@ def plan_runs(args) -> List[Run]:
             methods = ["noop", *methods]  # the floor that step_time_over_floor divides by
         for index, rate in enumerate(args.rates):
             for method in methods:
-                if index > 0 and (plan.first_link_only or method.endswith("-noef")):
+                if index > 0 and (plan.first_link_only or not METHODS[method].timing):
                     continue
                 runs.append(Run(plan, method, rate, args.steps or plan.steps))
     return runs
