@@ -168,3 +168,14 @@ def test_engine_compresses_per_parameter_by_default_and_per_bucket_on_request():
     assert int((bucket[0] != 0).sum()) == gradcomp.TopK(0.01).k(sum(NUMELS))
     with pytest.raises(ValueError, match="granularity"):
         Engine(gradcomp.TopK(0.01), OneRank(), granularity="layer")
+
+
+def test_the_per_parameter_benchmark_runs_and_reports_ratios(tmp_path):
+    from experiments import bench_per_parameter
+
+    out = tmp_path / "bench.json"
+    results = bench_per_parameter.main(["--size", "20000", "--params", "7", "--repeats", "1", "--threads", "1",
+                                        "--backend", "torch", "--json", str(out)])
+    assert out.exists() and [c["spec"] for c in results["cases"]] == ["topk:0.01", "twobit:rms"]
+    assert all(c["ratio"] > 0 and c["ratio_min"] <= c["ratio"] <= c["ratio_max"] for c in results["cases"])
+    assert sum(bench_per_parameter.mixed_sizes(2**24, 100)) == 2**24

@@ -172,3 +172,14 @@ def _register_with_foreign_stage(rank, world_size):
     except ValueError as error:
         return str(error)
     return "registered"
+
+
+def test_an_early_freeze_is_warned_about():
+    named = named_mlp()
+    with pytest.warns(UserWarning, match="freezing Adam's variance after 2 steps"):
+        CompressedAdamW(named, freeze_step=2)
+    with pytest.warns(UserWarning, match="freezing Adam's variance after 2 steps"):
+        FrozenVarianceAdam(torch.optim.AdamW([p for _, p in named]), named, freeze_step=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FrozenVarianceAdam(torch.optim.AdamW([p for _, p in named]), named, freeze_step=100)

@@ -39,6 +39,7 @@ Use (one line changed from a torch AdamW script, one added)::
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Dict, Hashable, Iterable, Sequence, Tuple, Union
 
 import torch
@@ -46,6 +47,9 @@ import torch
 from gradcomp.optim.names import unwrapped
 
 __all__ = ["CompressedAdamW"]
+
+#: Fewer steps than this before the freeze get a warning: the variance is then a handful of samples.
+MIN_STEADY_FREEZE = 10
 
 UNITS = ("momentum", "update")
 
@@ -87,6 +91,10 @@ class CompressedAdamW(torch.optim.Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an integer >= 1 (steps of dense AdamW first), got {freeze_step!r}")
+        if freeze_step < MIN_STEADY_FREEZE:
+            warnings.warn(f"gradcomp: freezing Adam's variance after {freeze_step} steps fixes a second moment "
+                          f"estimated from {freeze_step} gradients; freeze after the LR warm-up (the one-call recipe "
+                          "uses 5% of the run at least), or the frozen denominators may be far off")
         if not 0.0 <= variance_floor <= 1.0:
             raise ValueError(f"variance_floor must be in [0, 1], got {variance_floor}")
         if units not in UNITS:

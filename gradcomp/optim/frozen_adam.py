@@ -25,6 +25,7 @@ the stage reads everything from the optimizer at each call and keeps no copy. ``
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Dict, Hashable, Iterable, Tuple, Union
 
 import torch
@@ -32,6 +33,9 @@ import torch
 from gradcomp.optim.names import unwrapped
 
 __all__ = ["FrozenVarianceAdam"]
+
+#: Fewer steps than this before the freeze get a warning: the variance is then a handful of samples.
+MIN_STEADY_FREEZE = 10
 
 UNITS = ("momentum", "update")
 
@@ -63,6 +67,10 @@ class FrozenVarianceAdam:
                                      f"recipe does not support; create the optimizer with {flag}=False")
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an integer >= 1 (steps of plain Adam first), got {freeze_step!r}")
+        if freeze_step < MIN_STEADY_FREEZE:
+            warnings.warn(f"gradcomp: freezing Adam's variance after {freeze_step} steps fixes a second moment "
+                          f"estimated from {freeze_step} gradients; freeze after the LR warm-up (the one-call recipe "
+                          "uses 5% of the run at least), or the frozen denominators may be far off")
         if units not in UNITS:
             raise ValueError(f"units must be one of {UNITS}, got {units!r}")
         if not 0.0 <= variance_floor <= 1.0:
