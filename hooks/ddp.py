@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import inflight
+from gradcomp.compressors import from_spec
 from gradcomp.compressors.base import Compressor
 from gradcomp.engine import Engine, Transport
 from gradcomp.error_feedback import ErrorFeedback
-from gradcomp.compressors import from_spec
 from gradcomp.exchange import allgather_bytes
 from gradcomp.recipe import plan
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_gradient_dtypes
