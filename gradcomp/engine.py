@@ -139,7 +139,7 @@ class Transport:
 class Handle:
     """One group's exchange in flight, from :meth:`Engine.start` to :meth:`Engine.finish`."""
 
-    __slots__ = ("group", "keys", "numels", "grad", "mode", "compressor", "payload", "work")
+    __slots__ = ("group", "keys", "numels", "grad", "mode", "compressor", "payload", "work", "scale")
 
     def __init__(self, group, keys, numels, grad, mode, compressor=None, payload=None):
         self.group: Hashable = group
@@ -150,6 +150,7 @@ class Handle:
         self.compressor: Optional[Compressor] = compressor
         self.payload: Optional[Payload] = payload
         self.work = None  # the transport's work object (a Future on DDP, a Horovod handle)
+        self.scale = 1.0  # the loss scale the gradient arrived in (see Engine(grad_scaler=))
 
 
 def _stable_hash(value) -> int:
@@ -192,13 +193,22 @@ class Engine:
             travel dense in the same payload (:mod:`gradcomp.compressors.per_parameter`);
             ``"bucket"``: the whole group is one tensor. The two-phase exchange chunks the group
             and ignores it.
+        grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision run. Each group is divided
+            by its scale on arrival and the average multiplied back before the framework sees it,
+            so residuals, DGC velocities and second-stage residuals hold true-gradient units and
+            need no rescaling when the scale grows or backs off (GradScaler's scales are powers of
+            two, so both operations are exact).
     """
 
     def __init__(self, compressor: Compressor, transport: Optional[Transport] = None, *,
                  warmup_steps: Optional[int] = None, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True,
                  backend: Optional[str] = None, schedule=None, transform=None, exchange: str = "allgather",
-                 policy=None, granularity: str = "parameter"):
+                 policy=None, granularity: str = "parameter", grad_scaler=None):
         self.compressor = check_compressor(compressor)
+        #: The run's ``torch.amp.GradScaler``: gradients arrive multiplied by its scale; the engine
+        #: works in the units of the true gradient so that residuals survive every scale change.
+        self.grad_scaler = grad_scaler
+        self._scale_at: Tuple[int, float] = (-1, 1.0)
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         #: ``"parameter"``: each parameter of a group compressed on its own (:class:`PerParameter`);
@@ -305,11 +315,15 @@ class Engine:
                                f"its parameters {sum(numels)}")
         if self._steps_run in self.agreement_steps:
             self.check_agreement([(numels, grad.dtype)], group)
+        scale = self._loss_scale()
+        if scale != 1.0:
+            grad.div_(scale)
         compressor = self.compressor_now()
         if self.policy is not None:
             compressor = self.policy.choose(self, group, grad.numel(), grad.dtype, grad.device, compressor)
         mode = self.mode_of(compressor, grad.numel(), grad.dtype, grad.device)
         handle = Handle(group, keys, numels, grad, mode, compressor)
+        handle.scale = scale
         dense_bytes = grad.numel() * grad.element_size()
         if mode == "dense":
             # The transform sees the gradient alone, then the residual is added, in the order of
@@ -360,12 +374,21 @@ class Engine:
     def finish(self, handle: Handle, result: torch.Tensor) -> torch.Tensor:
         """Write the average of ``handle``'s group into its gradient and return the gradient.
 
+        The average is in the loss scale the gradient arrived in (see ``grad_scaler``).
+
         ``result`` is the collective's output: the reduced tensor (dense, allreduce) or the
         gathered payloads (allgather; any integer view of the ``P * nbytes`` bytes). Gathered
         payloads are validated before anything is written; a bad one raises
         :class:`~gradcomp.validation.PayloadError` naming the sender and the group, and leaves
         the gradient and the residuals as they were. Never blocks.
         """
+        average = self._average(handle, result)
+        if handle.scale != 1.0:
+            average.mul_(handle.scale)
+        return average
+
+    def _average(self, handle: Handle, result: torch.Tensor) -> torch.Tensor:
+        """:meth:`finish` in the units of the true gradient."""
         grad, mode = handle.grad, handle.mode
         if self.policy is not None:
             self.policy.finished(handle)
@@ -419,6 +442,19 @@ class Engine:
             self.residual_memory.commit(handle.keys, accept)
         if self.transform is not None:
             self.transform.commit(handle.keys, accept)
+
+    def _loss_scale(self) -> float:
+        """The grad scaler's scale this step (read once per step; 1.0 without a scaler)."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        step, scale = self._scale_at
+        if step != self.step:
+            scale = float(scaler.get_scale())
+            if not (scale > 0 and scale != float("inf")):
+                raise RuntimeError(f"the grad scaler's scale is {scale}; it must be a positive finite number")
+            self._scale_at = (self.step, scale)
+        return scale
 
     def end_step(self) -> None:
         """Close the step: telemetry moves on and the schedule sees the next step number."""

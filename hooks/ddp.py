@@ -97,6 +97,8 @@ class CompressionState:
             during the dense warm-up, then picks dense, fp16, 2-bit or top-k per bucket).
         granularity: ``"parameter"`` (default: each parameter of a bucket compressed on its own,
             its own top-k budget and 2-bit scale) or ``"bucket"`` (the bucket as one tensor).
+        grad_scaler: the run's ``torch.amp.GradScaler``, if it uses one: residuals are then kept in
+            true-gradient units and survive its scale changes.
     """
 
     __slots__ = ["engine", "process_group", "recipe", "_param_names", "_parameter_numels"]
@@ -115,6 +117,7 @@ class CompressionState:
         exchange: str = "allgather",
         policy=None,
         granularity: str = "parameter",
+        grad_scaler=None,
     ):
         self.process_group = process_group
         #: What the one-call recipe chose (:class:`gradcomp.recipe.Plan`), or ``None``.
@@ -122,7 +125,7 @@ class CompressionState:
         self.engine = Engine(compressor, TorchDistributedTransport(process_group), warmup_steps=warmup_steps,
                              min_numel=min_numel, error_feedback=error_feedback, backend=backend,
                              schedule=schedule, transform=transform, exchange=exchange,
-                             policy=policy, granularity=granularity)  # fmt: skip
+                             policy=policy, granularity=granularity, grad_scaler=grad_scaler)  # fmt: skip
         self._param_names: Optional[Dict[int, str]] = None
         self._parameter_numels: Optional[Dict[str, int]] = None
         if named_parameters is not None:
