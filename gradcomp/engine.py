@@ -63,15 +63,16 @@ Extension slots (filled by :mod:`gradcomp.schedule` and :mod:`gradcomp.optim`):
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-import warnings
 from typing import Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from gradcomp import agreement, checkpoint
+from gradcomp.agreement import AGREEMENT_FIELDS, SettingsMismatchError, spec_of
 from gradcomp.backends import BACKENDS, resolve_backend
+from gradcomp.checkpoint import STATE_FORMAT
 from gradcomp.compressors.base import FLOAT_DTYPES, Compressor
 from gradcomp.compressors.per_parameter import PerParameter
 from gradcomp.error_feedback import ErrorFeedback
@@ -79,26 +80,15 @@ from gradcomp.exchange import average_gathered
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.settings import DEFAULT_MIN_NUMEL, DEFAULT_WARMUP_STEPS, check_backend, check_compressor, check_count
 from gradcomp.telemetry import Telemetry
-from gradcomp.two_phase import TwoPhaseExchange, check_exchange
+from gradcomp.two_phase import ExchangeContext, TwoPhaseExchange, check_exchange
 from gradcomp.validation import PayloadError, validate_gathered
 
-__all__ = ["Engine", "Handle", "Transport", "SettingsMismatchError", "STATE_FORMAT"]
+__all__ = ["Engine", "Handle", "Transport", "SettingsMismatchError", "STATE_FORMAT", "AGREEMENT_FIELDS", "spec_of"]
 
 logger = logging.getLogger(__name__)
 
-#: The version of :meth:`Engine.state_dict`'s layout (recorded as ``"format"``).
-STATE_FORMAT = 1
-
 #: How a group's parameters share a compressed payload (see :class:`Engine`).
 GRANULARITIES = ("parameter", "bucket")
-
-#: What the ranks compare before they exchange anything (see :meth:`Engine.check_agreement`).
-AGREEMENT_FIELDS = ("compressor", "error_feedback", "schedule", "transform", "min_numel", "world_size", "step",
-                    "group_numels", "group_dtypes")
-
-
-class SettingsMismatchError(RuntimeError):
-    """Ranks were configured differently; raised on every rank before any gradient is exchanged."""
 
 
 class Transport:
@@ -151,20 +141,6 @@ class Handle:
         self.payload: Optional[Payload] = payload
         self.work = None  # the transport's work object (a Future on DDP, a Horovod handle)
         self.scale = 1.0  # the loss scale the gradient arrived in (see Engine(grad_scaler=))
-
-
-def _stable_hash(value) -> int:
-    """A 63-bit hash of ``repr(value)``, the same in every process (``hash()`` is salted)."""
-    digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def spec_of(compressor: Optional[Compressor]) -> Optional[str]:
-    """The compressor's registry spec (``"topk:0.01"``), or its repr where it has none."""
-    if compressor is None:
-        return None
-    spec = getattr(compressor, "spec", None)
-    return spec if isinstance(spec, str) else repr(compressor)
 
 
 def _default_schedule(warmup_steps: int):
@@ -344,7 +320,7 @@ class Engine:
         if mode == "two_phase":
             residuals = (self.residual_memory.buffers(keys, numels, grad.device)
                          if compressor.uses_error_feedback and self.error_feedback else None)
-            self.two_phase.start(self, handle, source, residuals, started)
+            self.two_phase.start(self._exchange_context(), handle, source, residuals, started)
             return handle
         if mode == "allgather":
             compressor = handle.compressor = self._granular(compressor, numels)
@@ -393,7 +369,7 @@ class Engine:
         if self.policy is not None:
             self.policy.finished(handle)
         if mode == "two_phase":
-            return self.two_phase.finish(self, handle, result)
+            return self.two_phase.finish(self._exchange_context(), handle, result)
         if mode == "dense":
             if result.data_ptr() != grad.data_ptr():
                 grad.copy_(result.view(-1))
@@ -429,6 +405,10 @@ class Engine:
         if out is not grad:
             grad.copy_(out)
         return grad
+
+    def _exchange_context(self) -> ExchangeContext:
+        """The narrow view of this engine that an exchange object gets (the transport may be set late)."""
+        return ExchangeContext(self.transport, self.backend, self.error_feedback, self.telemetry.record, self._commit)
 
     def _commit(self, handle: Handle, average: torch.Tensor) -> None:
         """Commit ``e'`` (and the transform's state) only if ``average`` is finite; the
@@ -494,60 +474,14 @@ class Engine:
             logger.info("gradcomp: residuals of %d parameters flushed into a dense step at step %d (first: %r)",
                         len(flushed), self.step, flushed[0])
 
-    # -- agreement between ranks -------------------------------------------------------
+    # -- agreement between ranks (gradcomp.agreement) ---------------------------------
     def settings_fingerprint(self, groups: Sequence[Tuple[Sequence[int], torch.dtype]]) -> Dict[str, object]:
-        """The settings every rank must share, by field (:data:`AGREEMENT_FIELDS`); backend-independent."""
-        schedule = self.schedule.state_dict() if callable(getattr(self.schedule, "state_dict", None)) else None
-        return {
-            # How the compressor is chosen and exchanged travels with it: ranks that exchange
-            # differently, or where only some run a policy (it adds collectives), would hang.
-            "compressor": spec_of(self.compressor) + ("" if self.exchange == "allgather"
-                                                      else f" exchange={self.exchange}")
-            + ("" if self.granularity == "parameter" else f" granularity={self.granularity}")
-            + ("" if self.policy is None else f" policy={type(self.policy).__name__}{self._policy_settings()}"),
-            "error_feedback": self.error_feedback and self.compressor.uses_error_feedback,
-            "schedule": (type(self.schedule).__name__, schedule),
-            "transform": None if self.transform is None else type(self.transform).__name__,
-            "min_numel": self.min_numel,
-            "world_size": self.transport.world_size if self.transport is not None else 1,
-            "step": self.step,  # the schedule's position: ranks resumed from different checkpoints differ here
-            "group_numels": tuple(tuple(int(n) for n in numels) for numels, _ in groups),
-            "group_dtypes": tuple(str(dtype) for _, dtype in groups),
-        }
-
-    def _policy_settings(self) -> object:
-        return self.policy.state_dict() if callable(getattr(self.policy, "state_dict", None)) else None
+        """See :func:`gradcomp.agreement.settings_fingerprint`."""
+        return agreement.settings_fingerprint(self, groups)
 
     def check_agreement(self, groups: Sequence[Tuple[Sequence[int], torch.dtype]], where: Hashable = None) -> None:
-        """Compare the settings fingerprint across ranks with one tiny allgather (blocking).
-
-        Raises :class:`SettingsMismatchError` on every rank, naming each differing setting,
-        which ranks hold which variant and this rank's value. Call it at the same point on
-        every rank (the engine does so at the groups of :attr:`agreement_steps`).
-        """
-        if self.transport is None or self.transport.world_size == 1:
-            return
-        fields = self.settings_fingerprint(groups)
-        local = torch.tensor([_stable_hash(fields[name]) for name in AGREEMENT_FIELDS], dtype=torch.int64)
-        gathered = self.transport.agree(local).view(-1, len(AGREEMENT_FIELDS))
-        self.telemetry.record_agreement(local.numel() * local.element_size())
-        differing = []
-        for column, name in enumerate(AGREEMENT_FIELDS):
-            values = gathered[:, column].tolist()
-            if len(set(values)) > 1:
-                variants: Dict[int, list] = {}
-                for rank, value in enumerate(values):
-                    variants.setdefault(value, []).append(rank)
-                sides = " vs ".join(f"ranks {ranks}" for ranks in variants.values())
-                differing.append(f"{name} ({sides}; rank {self.transport.rank} has {fields[name]!r})")
-        if differing:
-            place = f" at group {where!r}" if where is not None else ""
-            raise SettingsMismatchError(
-                f"gradcomp: ranks disagree on {', '.join(differing)}{place}. Every rank must use the same "
-                "compressor and settings, model and dtypes; nothing was exchanged."
-            )
-        if self.step > 0 and where is not None:
-            logger.debug("gradcomp: settings agree across ranks at group %r, step %d", where, self.step)
+        """The cross-rank settings check (blocking); see :func:`gradcomp.agreement.check_agreement`."""
+        agreement.check_agreement(self, groups, where)
 
     # -- telemetry and checkpoints -----------------------------------------------------
     def stats(self) -> dict:
@@ -558,26 +492,9 @@ class Engine:
             stats["policy"] = self.policy.stats()
         return stats
 
-    def state_dict(self, residual_names: Optional[Mapping[Hashable, str]] = None) -> dict:
-        """This rank's state, the same format on DDP and Horovod (``torch.load(weights_only=True)`` safe):
-
-        ``{"format": 1, "step": int, "world_size": int, "rank": int, "compressor": spec str,
-        "schedule": schedule.state_dict(), "transform": transform.state_dict() or None,
-        "residuals": {parameter name: float32 1-D tensor on CPU}}``. Residuals are one rank's
-        private error: save every rank's state.
-        """
-        transport = self.transport
-        return {
-            "format": STATE_FORMAT,
-            "step": self.step,
-            "world_size": transport.world_size if transport is not None else 1,
-            "rank": transport.rank if transport is not None else 0,
-            "compressor": spec_of(self.compressor),
-            "schedule": self.schedule.state_dict() if callable(getattr(self.schedule, "state_dict", None)) else None,
-            "transform": self.transform.state_dict() if self.transform is not None else None,
-            "residuals": self.residual_memory.state_dict()["residuals"],
-            **({"owner_residuals": self.two_phase.state_dict()} if self.two_phase is not None else {}),
-        }
+    def state_dict(self) -> dict:
+        """This rank's state; the format is :func:`gradcomp.checkpoint.state_dict`'s."""
+        return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict, parameter_numels: Optional[Mapping[str, int]] = None,
                         unknown_residuals: str = "raise") -> None:
@@ -586,119 +503,12 @@ class Engine:
 
     def prepare_load(self, state_dict, parameter_numels: Optional[Mapping[str, int]] = None,
                      unknown_residuals: str = "raise") -> Callable[[], None]:
-        """Validate :meth:`state_dict`'s output and return the function that assigns it.
-
-        An adapter that loads more than the engine (the Horovod optimizer's own state) validates
-        every part before it assigns any. Loading is transactional: everything is validated, then assigned.
-
-        Validated first: the types, ``step``/``world_size``/``rank`` as integers, every residual a
-        finite 1-D float tensor whose numel equals its parameter's (``parameter_numels``: name ->
-        numel, where the adapter knows the parameters), the schedule (its ``load_state_dict``
-        must raise without changing anything when it does not fit) and the transform. A rejected
-        load raises ``ValueError`` and leaves the live state exactly as it was.
-
-        Residuals whose name matches no parameter raise (``unknown_residuals="warn"``: warn and
-        drop them). A checkpoint of another world size or rank, or of another compressor
-        (``"compressor"`` spec), loads with a warning and zero residuals: each residual is one
-        rank's private error of one compressor. Checkpoints of format 0 (no ``format``,
-        ``rank``, ``compressor`` or ``schedule`` keys) load as well.
-        """
-        if unknown_residuals not in ("raise", "warn"):
-            raise ValueError(f"unknown_residuals must be 'raise' or 'warn', got {unknown_residuals!r}")
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"expected the dict from state_dict(), got {type(state_dict).__name__}")
-        missing = {"step", "world_size", "residuals"} - set(state_dict)
-        if missing:
-            raise ValueError(f"state_dict lacks {sorted(missing)}; pass the dict from state_dict()")
-        fmt = state_dict.get("format", 0)
-        if fmt not in (0, STATE_FORMAT):
-            raise ValueError(f"state_dict format {fmt!r} is not one this version reads (0, {STATE_FORMAT})")
-        step = _int_field(state_dict, "step", 0)
-        world_size = _int_field(state_dict, "world_size", 1)
-        rank = _int_field(state_dict, "rank", 0) if "rank" in state_dict else None
-        residuals = state_dict["residuals"]
-        if not isinstance(residuals, Mapping):
-            raise ValueError(f"'residuals' must be a dict of parameter name -> tensor, got {type(residuals).__name__}")
-        kept = {}
-        for name, value in residuals.items():
-            if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ""
-                what = f"{type(value).__name__}{shape}"
-                raise ValueError(f"the residual of {name!r} must be a 1-D float tensor, got {what}")
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"the residual of {name!r} is not finite; the checkpoint is corrupt")
-            if parameter_numels is not None:
-                if name not in parameter_numels:
-                    if unknown_residuals == "raise":
-                        raise ValueError(
-                            f"the checkpoint has a residual for {name!r}, which is no parameter of this model "
-                            "(pass unknown_residuals='warn' to drop such residuals with a warning)"
-                        )
-                    warnings.warn(f"gradcomp: dropped the residual of {name!r}, which is no parameter of this model")
-                    continue
-                if value.numel() != parameter_numels[name]:
-                    raise ValueError(f"the residual of {name!r} has {value.numel()} elements but the parameter "
-                                     f"has {parameter_numels[name]}; was the model changed?")
-            kept[name] = value
-        saved_spec = state_dict.get("compressor")
-        if saved_spec is not None and not isinstance(saved_spec, str):
-            raise ValueError(f"'compressor' must be a spec string, got {type(saved_spec).__name__}")
-        transport = self.transport
-        here = (transport.world_size, transport.rank) if transport is not None else (1, 0)
-        saved_schedule = state_dict.get("schedule")
-        if saved_schedule is not None and callable(getattr(self.schedule, "load_state_dict", None)):
-            self.schedule.load_state_dict(saved_schedule)  # checks; raises without changing anything
-        saved_transform = state_dict.get("transform")
-        if (saved_transform is None) != (self.transform is None) and fmt != 0:
-            raise ValueError("the checkpoint was saved " + ("without" if saved_transform is None else "with")
-                             + " an optimizer-aware transform and this run " + ("has one" if saved_transform is None
-                                                                                 else "has none"))
-        reset_reason = None
-        if world_size != here[0] or (rank is not None and rank != here[1]):
-            saved_at = f"rank {rank} of " if rank is not None else ""
-            reset_reason = (f"the checkpoint was saved by {saved_at}world size {world_size} and is loaded by rank "
-                            f"{here[1]} of world size {here[0]}")
-        elif saved_spec is not None and saved_spec != spec_of(self.compressor):
-            reset_reason = (f"the checkpoint's residuals were made by {saved_spec!r}, "
-                            f"this run uses {spec_of(self.compressor)!r}")
-
-        saved_owners = state_dict.get("owner_residuals")
-        assign_owners = None
-        if self.two_phase is not None and saved_owners is not None and reset_reason is None:
-            assign_owners = self.two_phase.prepare_load(saved_owners)  # checks; changes nothing
-        elif self.two_phase is None and saved_owners:
-            warnings.warn("gradcomp: the checkpoint holds second-stage residuals of the two-phase exchange; "
-                          "this run uses exchange='allgather' and drops them")
-
-        def assign() -> None:
-            # The transform's own load comes first: if it refuses, nothing else has changed.
-            if self.transform is not None and saved_transform is not None:
-                self.transform.load_state_dict(saved_transform)
-            self.step = step
-            if reset_reason is not None:
-                if kept:
-                    warnings.warn(f"gradcomp: {reset_reason}; error-feedback residuals are reset to zero")
-                self.residual_memory.reset()
-            else:
-                self.residual_memory.load_state_dict({"residuals": kept})
-            if self.two_phase is not None:
-                if assign_owners is not None:
-                    assign_owners()
-                else:
-                    self.two_phase.reset()
-
-        return assign
+        """Validate :meth:`state_dict`'s output and return the function that assigns it
+        (:func:`gradcomp.checkpoint.prepare_load`)."""
+        return checkpoint.prepare_load(self, state_dict, parameter_numels, unknown_residuals)
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["transport"] = None  # process groups and Horovod handles do not cross processes
         return state
 
-
-def _int_field(state_dict, name: str, minimum: int) -> int:
-    value = state_dict[name]
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"'{name}' must be an integer >= {minimum}, got {value!r}")
-    return value

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -62,8 +62,8 @@ from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import PayloadError, validate_payload
 
-__all__ = ["EXCHANGES", "check_exchange", "chunk_bounds", "chunk_layouts", "slot_nbytes", "owner_key",
-           "TwoPhaseExchange"]
+__all__ = ["EXCHANGES", "ExchangeContext", "check_exchange", "chunk_bounds", "chunk_layouts", "slot_nbytes",
+           "owner_key", "TwoPhaseExchange"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,25 @@ def check_exchange(exchange) -> str:
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     return exchange
+
+
+class ExchangeContext(NamedTuple):
+    """What the two-phase exchange needs of the engine, and nothing more.
+
+    Attributes:
+        transport: the :class:`gradcomp.engine.Transport` (``world_size``, ``rank``, collectives).
+        backend: the kernel backend override (``None``: automatic).
+        error_feedback: whether compressors that use error feedback keep residuals.
+        record: ``record(group, bytes_sent, dense_bytes, compress_s, mode, backend)``, the telemetry.
+        commit: ``commit(handle, average)``: commit the first-stage residuals (and a transform's
+            state) of ``handle``'s group if ``average`` is finite; returns nothing.
+    """
+
+    transport: object
+    backend: Optional[str]
+    error_feedback: bool
+    record: Callable
+    commit: Callable
 
 
 def chunk_bounds(numel: int, world_size: int) -> Tuple[int, ...]:
@@ -114,9 +133,10 @@ class TwoPhaseExchange:
     """The engine's two-phase exchange: launches both phases and keeps the owners' residuals.
 
     Held by :class:`gradcomp.engine.Engine` when ``exchange="two_phase"``; its ``start`` and
-    ``finish`` take the engine's place for groups of mode ``"two_phase"``. Mutates only the
-    engine's first-stage residual memory (spare buffers, committed in :meth:`finish`), its own
-    :attr:`owner_memory`, the handle and the group's gradient.
+    ``finish`` take the engine's place for groups of mode ``"two_phase"``, given an
+    :class:`ExchangeContext` rather than the engine. Mutates only the engine's first-stage
+    residual memory (spare buffers, committed through ``context.commit`` in :meth:`finish`), its
+    own :attr:`owner_memory`, the handle and the group's gradient.
     """
 
     def __init__(self):
@@ -129,8 +149,8 @@ class TwoPhaseExchange:
         """Whether a group of ``numel`` elements can go two-phase (one element per rank at least)."""
         return world_size > 1 and numel >= world_size
 
-    def start(self, engine, handle, source: torch.Tensor, residuals: Optional[Tuple[torch.Tensor, torch.Tensor]],
-              started: float) -> None:
+    def start(self, context: ExchangeContext, handle, source: torch.Tensor,
+              residuals: Optional[Tuple[torch.Tensor, torch.Tensor]], started: float) -> None:
         """Phases 1 and 2 up to the launch of the allgather (``handle.work``).
 
         Args:
@@ -142,7 +162,7 @@ class TwoPhaseExchange:
 
         from gradcomp.backends import resolve_backend
 
-        transport, compressor, backend = engine.transport, handle.compressor, engine.backend
+        transport, compressor, backend = context.transport, handle.compressor, context.backend
         world_size, rank, numel = transport.world_size, transport.rank, source.numel()
         bounds = chunk_bounds(numel, world_size)
         layouts1, slot1 = chunk_layouts(compressor, numel, world_size, source.dtype)
@@ -172,7 +192,7 @@ class TwoPhaseExchange:
         started2 = time.perf_counter()
         key = owner_key(handle.keys, world_size, rank)
         self._note_group(key, handle.keys)
-        feedback = compressor.uses_error_feedback and engine.error_feedback
+        feedback = compressor.uses_error_feedback and context.error_feedback
         if feedback:
             owner_in, owner_out = self.owner_memory.buffers([key], [mine], source.device)
             reduced = compressor.compress(average, owner_in, owner_out, backend=backend)
@@ -183,14 +203,14 @@ class TwoPhaseExchange:
         wire[: reduced.nbytes].copy_(reduced.buffer)
         compress_s += time.perf_counter() - started2
         handle.payload = reduced
-        engine.telemetry.record(handle.group, world_size * slot1 + slot2, numel * source.element_size(),
+        context.record(handle.group, world_size * slot1 + slot2, numel * source.element_size(),
                                 compress_s, "two_phase", resolve_backend(source.device, backend))
         handle.work = transport.allgather(wire, f"{handle.group}.two_phase.2")
 
-    def finish(self, engine, handle, result: torch.Tensor) -> torch.Tensor:
+    def finish(self, context: ExchangeContext, handle, result: torch.Tensor) -> torch.Tensor:
         """Validate and decode the gathered averages into ``handle.grad``; commit both stages if finite."""
-        compressor, grad, backend = handle.compressor, handle.grad, engine.backend
-        world_size, rank, numel = engine.transport.world_size, engine.transport.rank, grad.numel()
+        compressor, grad, backend = handle.compressor, handle.grad, context.backend
+        world_size, rank, numel = context.transport.world_size, context.transport.rank, grad.numel()
         bounds = chunk_bounds(numel, world_size)
         layouts2, slot2 = chunk_layouts(compressor, numel, world_size, torch.float32)
         gathered = result.reshape(-1).view(torch.uint8)
@@ -205,8 +225,8 @@ class TwoPhaseExchange:
         for j, payload in enumerate(payloads):
             compressor.decompress_add(payload, out[bounds[j]: bounds[j + 1]], backend)
         accept = torch.isfinite(out).all()
-        engine._commit(handle, out)  # first stage (and a transform), from the same decision
-        if compressor.uses_error_feedback and engine.error_feedback:
+        context.commit(handle, out)  # first stage (and a transform), from the same decision
+        if compressor.uses_error_feedback and context.error_feedback:
             self.owner_memory.commit([owner_key(handle.keys, world_size, rank)], accept)
         if out is not grad:
             grad.copy_(out)

@@ -1,0 +1,155 @@
+"""The engine's checkpoint: one ``state_dict`` format for DDP and Horovod, loaded transactionally.
+
+:func:`state_dict` writes the format below; :func:`prepare_load` validates a saved dict against
+the live engine and returns the function that assigns it, so that an adapter that loads more
+than the engine (the Horovod optimizer's own state) can validate every part before it assigns
+any. A rejected load raises ``ValueError`` and changes nothing.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from gradcomp.agreement import spec_of
+
+__all__ = ["STATE_FORMAT", "state_dict", "prepare_load"]
+
+#: The version of the state dict's layout (recorded as ``"format"``).
+STATE_FORMAT = 1
+
+
+def state_dict(engine) -> dict:
+    """``engine``'s state for this rank (``torch.load(weights_only=True)`` safe):
+
+    ``{"format": 1, "step": int, "world_size": int, "rank": int, "compressor": spec str,
+    "schedule": schedule.state_dict(), "transform": transform.state_dict() or None,
+    "residuals": {parameter name: float32 1-D tensor on CPU}}``, plus ``"owner_residuals"``
+    with the two-phase exchange. Residuals are one rank's private error: save every rank's state.
+    """
+    transport = engine.transport
+    schedule = engine.schedule
+    return {
+        "format": STATE_FORMAT,
+        "step": engine.step,
+        "world_size": transport.world_size if transport is not None else 1,
+        "rank": transport.rank if transport is not None else 0,
+        "compressor": spec_of(engine.compressor),
+        "schedule": schedule.state_dict() if callable(getattr(schedule, "state_dict", None)) else None,
+        "transform": engine.transform.state_dict() if engine.transform is not None else None,
+        "residuals": engine.residual_memory.state_dict()["residuals"],
+        **({"owner_residuals": engine.two_phase.state_dict()} if engine.two_phase is not None else {}),
+    }
+
+
+def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = None,
+                 unknown_residuals: str = "raise") -> Callable[[], None]:
+    """Validate :func:`state_dict`'s output against ``engine`` and return the function that assigns it.
+
+    Validated first: the types, ``step``/``world_size``/``rank`` as integers, every residual a
+    finite 1-D float tensor whose numel equals its parameter's (``parameter_numels``: name ->
+    numel, where the adapter knows the parameters), the schedule (its ``load_state_dict``
+    must raise without changing anything when it does not fit) and the transform. A rejected
+    load raises ``ValueError`` and leaves the live state exactly as it was.
+
+    Residuals whose name matches no parameter raise (``unknown_residuals="warn"``: warn and
+    drop them). A checkpoint of another world size or rank, or of another compressor
+    (``"compressor"`` spec), loads with a warning and zero residuals: each residual is one
+    rank's private error of one compressor. Checkpoints of format 0 (no ``format``,
+    ``rank``, ``compressor`` or ``schedule`` keys) load as well.
+    """
+    if unknown_residuals not in ("raise", "warn"):
+        raise ValueError(f"unknown_residuals must be 'raise' or 'warn', got {unknown_residuals!r}")
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"expected the dict from state_dict(), got {type(saved).__name__}")
+    missing = {"step", "world_size", "residuals"} - set(saved)
+    if missing:
+        raise ValueError(f"state_dict lacks {sorted(missing)}; pass the dict from state_dict()")
+    fmt = saved.get("format", 0)
+    if fmt not in (0, STATE_FORMAT):
+        raise ValueError(f"state_dict format {fmt!r} is not one this version reads (0, {STATE_FORMAT})")
+    step = _int_field(saved, "step", 0)
+    world_size = _int_field(saved, "world_size", 1)
+    rank = _int_field(saved, "rank", 0) if "rank" in saved else None
+    residuals = saved["residuals"]
+    if not isinstance(residuals, Mapping):
+        raise ValueError(f"'residuals' must be a dict of parameter name -> tensor, got {type(residuals).__name__}")
+    kept = {}
+    for name, value in residuals.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ""
+            what = f"{type(value).__name__}{shape}"
+            raise ValueError(f"the residual of {name!r} must be a 1-D float tensor, got {what}")
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"the residual of {name!r} is not finite; the checkpoint is corrupt")
+        if parameter_numels is not None:
+            if name not in parameter_numels:
+                if unknown_residuals == "raise":
+                    raise ValueError(
+                        f"the checkpoint has a residual for {name!r}, which is no parameter of this model "
+                        "(pass unknown_residuals='warn' to drop such residuals with a warning)"
+                    )
+                warnings.warn(f"gradcomp: dropped the residual of {name!r}, which is no parameter of this model")
+                continue
+            if value.numel() != parameter_numels[name]:
+                raise ValueError(f"the residual of {name!r} has {value.numel()} elements but the parameter "
+                                 f"has {parameter_numels[name]}; was the model changed?")
+        kept[name] = value
+    saved_spec = saved.get("compressor")
+    if saved_spec is not None and not isinstance(saved_spec, str):
+        raise ValueError(f"'compressor' must be a spec string, got {type(saved_spec).__name__}")
+    transport = engine.transport
+    here = (transport.world_size, transport.rank) if transport is not None else (1, 0)
+    saved_schedule = saved.get("schedule")
+    if saved_schedule is not None and callable(getattr(engine.schedule, "load_state_dict", None)):
+        engine.schedule.load_state_dict(saved_schedule)  # checks; raises without changing anything
+    saved_transform = saved.get("transform")
+    if (saved_transform is None) != (engine.transform is None) and fmt != 0:
+        raise ValueError("the checkpoint was saved " + ("without" if saved_transform is None else "with")
+                         + " an optimizer-aware transform and this run " + ("has one" if saved_transform is None
+                                                                             else "has none"))
+    reset_reason = None
+    if world_size != here[0] or (rank is not None and rank != here[1]):
+        saved_at = f"rank {rank} of " if rank is not None else ""
+        reset_reason = (f"the checkpoint was saved by {saved_at}world size {world_size} and is loaded by rank "
+                        f"{here[1]} of world size {here[0]}")
+    elif saved_spec is not None and saved_spec != spec_of(engine.compressor):
+        reset_reason = (f"the checkpoint's residuals were made by {saved_spec!r}, "
+                        f"this run uses {spec_of(engine.compressor)!r}")
+
+    saved_owners = saved.get("owner_residuals")
+    assign_owners = None
+    if engine.two_phase is not None and saved_owners is not None and reset_reason is None:
+        assign_owners = engine.two_phase.prepare_load(saved_owners)  # checks; changes nothing
+    elif engine.two_phase is None and saved_owners:
+        warnings.warn("gradcomp: the checkpoint holds second-stage residuals of the two-phase exchange; "
+                      "this run uses exchange='allgather' and drops them")
+
+    def assign() -> None:
+        # The transform's own load comes first: if it refuses, nothing else has changed.
+        if engine.transform is not None and saved_transform is not None:
+            engine.transform.load_state_dict(saved_transform)
+        engine.step = step
+        if reset_reason is not None:
+            if kept:
+                warnings.warn(f"gradcomp: {reset_reason}; error-feedback residuals are reset to zero")
+            engine.residual_memory.reset()
+        else:
+            engine.residual_memory.load_state_dict({"residuals": kept})
+        if engine.two_phase is not None:
+            if assign_owners is not None:
+                assign_owners()
+            else:
+                engine.two_phase.reset()
+
+    return assign
+
+
+def _int_field(saved, name: str, minimum: int) -> int:
+    value = saved[name]
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"'{name}' must be an integer >= {minimum}, got {value!r}")
+    return value
