@@ -187,7 +187,7 @@ def attach(model, net, spec: RunSpec, lr: float):
         return None
 
     if spec.method in ("dense", "fp16", "powersgd"):
-        args = argparse.Namespace(seed=spec.seed, ratio=TOPK_DENSITY, threshold="auto", backend=None)
+        args = argparse.Namespace(seed=spec.seed, density=TOPK_DENSITY, threshold="auto", backend=None)
         telemetry = train.attach_method(model, spec.method, args, dense_bytes)
         return plain_optimizer(), _TorchHookTelemetry(telemetry), no_step_hook, None
 
@@ -208,7 +208,7 @@ def attach(model, net, spec: RunSpec, lr: float):
     if variant == "plainef":
         dense_steps = max(2, round(TWOBIT_DENSE_FRACTION * spec.steps))
         state = register_engine(model, gradcomp.TwoBit("rms"), schedules.DenseWarmup(dense_steps), None, True)
-        return plain_optimizer(), _GradcompTelemetry(state), no_step_hook, state.compressor
+        return plain_optimizer(), _GradcompTelemetry(state), no_step_hook, state.engine.compressor
 
     error_feedback = variant != "noef"
     if base == "topk":

@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, help="charlm: override the preset's context length")
     parser.add_argument("--compressor", choices=tuple(METHODS), default="dense", help="the method (see below)")
     parser.add_argument(
-        "--density", "--ratio", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
+        "--density", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
     )
     parser.add_argument(
         "--threshold",
@@ -411,7 +411,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
         telemetry = attach_method(model, args.compressor, args, dense_bytes)
         kernel_warmup_s = 0.0
         if telemetry.gradcomp_state is not None:
-            kernel_warmup_s = warm_up_kernels(telemetry.gradcomp_state.compressor, args.backend, device)
+            kernel_warmup_s = warm_up_kernels(telemetry.gradcomp_state.engine.compressor, args.backend, device)
         if args.optimizer == "adamw":
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         else:
