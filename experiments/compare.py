@@ -151,7 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--density", "--ratio", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
+        "--density", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
     )
     parser.add_argument("--run-timeout", type=float, help="seconds per run (default: from steps and workload)")
     parser.add_argument("--no-plots", action="store_true")

@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, help="charlm: override the preset's context length")
     parser.add_argument("--compressor", choices=tuple(METHODS), default="dense", help="the method (see below)")
     parser.add_argument(
-        "--density", "--ratio", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
+        "--density", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
     )
     parser.add_argument(
         "--threshold",

@@ -79,7 +79,8 @@ class TorchDistributedTransport(Transport):
 
 class CompressionState:
     """State of :func:`compression_hook`: the engine (settings, residuals, step, telemetry) and
-    the parameter names.
+    the parameter names. The settings are read where they live, on the engine
+    (``state.engine.compressor``, ``state.engine.exchange``, ...).
 
     Args:
         compressor: a :class:`gradcomp.Compressor` (``TopK``, ``TwoBit``, ``FP16``, ...).
@@ -142,17 +143,6 @@ class CompressionState:
         self._param_names = {id(param): name for name, param in named}
         self._parameter_numels = {name: param.numel() for name, param in named}
 
-    # The names of the engine's settings, read through for existing callers.
-    compressor = property(lambda self: self.engine.compressor)
-    warmup_steps = property(lambda self: self.engine.warmup_steps)
-    min_numel = property(lambda self: self.engine.min_numel)
-    error_feedback = property(lambda self: self.engine.error_feedback)
-    backend = property(lambda self: self.engine.backend)
-    schedule = property(lambda self: self.engine.schedule)
-    transform = property(lambda self: self.engine.transform)
-    exchange = property(lambda self: self.engine.exchange)
-    policy = property(lambda self: self.engine.policy)
-
     @property
     def step(self) -> int:
         return self.engine.step
@@ -164,11 +154,6 @@ class CompressionState:
     @property
     def residual_memory(self) -> ErrorFeedback:
         """This rank's error-feedback memory (residuals keyed by parameter name)."""
-        return self.engine.residual_memory
-
-    @property
-    def residuals(self) -> ErrorFeedback:
-        """Older name of :attr:`residual_memory`."""
         return self.engine.residual_memory
 
     # -- pickling: drop what cannot cross a process boundary, as PowerSGDState does ----
@@ -233,7 +218,7 @@ def _collective_result(fut: torch.futures.Future, bucket: dist.GradBucket) -> to
 
 
 def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook that compresses ``bucket`` with ``state.compressor``.
+    """DDP communication hook that compresses ``bucket`` with ``state.engine.compressor``.
 
     1. ``engine.start``: the schedule picks dense or compressed; a compressed bucket is
        compensated and compressed in one fused kernel (residuals per parameter name) and its

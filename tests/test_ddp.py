@@ -159,11 +159,11 @@ def test_state_pickles_without_its_process_group():
     model = torch.nn.Linear(4, 2)
     named = model.named_parameters()
     state = gc_ddp.CompressionState(gradcomp.TopK(0.1), process_group=object(), named_parameters=named)
-    state.residuals.buffers(["weight"], [8], "cpu")[0].fill_(3.0)
+    state.residual_memory.buffers(["weight"], [8], "cpu")[0].fill_(3.0)
     state.step = 7
     clone = pickle.loads(pickle.dumps(state))
-    assert clone.process_group is None and clone.step == 7 and clone.compressor.ratio == 0.1
-    assert torch.equal(clone.residuals.residual("weight"), torch.full((8,), 3.0))
+    assert clone.process_group is None and clone.step == 7 and clone.engine.compressor.density == 0.1
+    assert torch.equal(clone.residual_memory.residual("weight"), torch.full((8,), 3.0))
 
 
 @pytest.mark.parametrize(
@@ -190,7 +190,7 @@ def test_register_needs_a_ddp_model():
 
 def test_state_dict_without_parameter_names_says_how_to_fix_it():
     state = gc_ddp.CompressionState(gradcomp.TopK(0.1))
-    state.residuals.buffers([("id", 1)], [4], "cpu")
+    state.residual_memory.buffers([("id", 1)], [4], "cpu")
     with pytest.raises(RuntimeError, match="named_parameters"):
         state.state_dict()
 

@@ -31,7 +31,7 @@ class Compressor(abc.ABC):
     validation rely on it):
 
     1. **No state, no communication.** A compressor holds only its settings; error feedback
-       (:class:`gradcomp.ErrorFeedback`), schedules and exchanges live elsewhere. Two
+       (:class:`gradcomp.error_feedback.ErrorFeedback`), schedules and exchanges live elsewhere. Two
        compressors with equal settings behave identically on every rank.
     2. **Fixed-size payloads.** :meth:`layout` depends only on ``(numel, dtype)`` and the
        settings, never on the data, so every rank sends the same number of bytes and

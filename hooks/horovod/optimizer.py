@@ -198,8 +198,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """This rank's error-feedback memory, keyed by parameter name."""
         return self.engine.residual_memory
 
-    residuals = residual_memory  # older name
-
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step: int = 1, op=Average, gradient_predivide_factor: float = 1.0,
