@@ -4,10 +4,11 @@ The public API is :data:`__all__`:
 
 * the compressors (``TopK``, ``TwoBit``, ``Identity``, ``FP16``, ``BF16``, their base
   ``Compressor``) and ``from_spec`` (``"topk:0.01"`` -> ``TopK(density=0.01)``);
-* ``register(model, compressor, ...)``: compress a DDP model's gradients in one call;
+* ``register(model, compressor, optimizer=..., total_steps=...)``: compress a DDP model's
+  gradients in one call, with the recipe for the optimizer derived from the run;
 * ``Auto``: a per-bucket choice of method from measurements of the link;
 * the schedules ``DenseWarmup``, ``SparsityRamp`` and ``recommended`` (also ``gradcomp.schedule``);
-* the optimizer stages ``DGC`` and ``CompressedAdamW`` (also ``gradcomp.optim``);
+* the optimizer stages ``DGC``, ``CompressedAdamW`` and ``FrozenVarianceAdam`` (also ``gradcomp.optim``);
 * the errors ``PayloadError`` and ``SettingsMismatchError``.
 
 Horovod users import :mod:`gradcomp.hooks.horovod` (it needs Horovod). The parts the
@@ -21,7 +22,7 @@ first use, Horovod only by :mod:`gradcomp.hooks.horovod`.
 from gradcomp import schedule  # noqa: F401  the module, as gradcomp.schedule
 from gradcomp.compressors import BF16, FP16, Compressor, Identity, TopK, TwoBit, from_spec
 from gradcomp.engine import SettingsMismatchError
-from gradcomp.optim import DGC, CompressedAdamW
+from gradcomp.optim import DGC, CompressedAdamW, FrozenVarianceAdam
 from gradcomp.policy import Auto
 from gradcomp.schedule import DenseWarmup, SparsityRamp, recommended
 from gradcomp.validation import PayloadError
@@ -35,6 +36,6 @@ __all__ = [
     "Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "from_spec",
     "register", "Auto",
     "DenseWarmup", "SparsityRamp", "recommended",
-    "DGC", "CompressedAdamW",
+    "DGC", "CompressedAdamW", "FrozenVarianceAdam",
     "PayloadError", "SettingsMismatchError",
 ]  # fmt: skip

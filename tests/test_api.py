@@ -6,7 +6,8 @@ import gradcomp
 
 PUBLIC = {
     "Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "from_spec", "register", "Auto",
-    "DenseWarmup", "SparsityRamp", "recommended", "DGC", "CompressedAdamW", "PayloadError", "SettingsMismatchError",
+    "DenseWarmup", "SparsityRamp", "recommended", "DGC", "CompressedAdamW", "FrozenVarianceAdam", "PayloadError",
+    "SettingsMismatchError",
 }  # fmt: skip
 
 
