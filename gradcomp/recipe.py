@@ -141,7 +141,7 @@ def _ramp(compressor: TopK, total: int, dense_steps: int, budget: float, dense: 
 
 def plan(compressor, optimizer=None, total_steps: Optional[int] = None, scheduler=None,
          named_parameters: Sequence[Tuple[str, torch.nn.Parameter]] = (), min_numel: int = DEFAULT_MIN_NUMEL,
-         min_compression: Optional[float] = None) -> Plan:
+         min_compression: Optional[float] = None, step_hook: bool = True) -> Plan:
     """Derive the schedule and the optimizer stage of ``compressor`` for this run.
 
     Args:
@@ -155,6 +155,8 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
         min_numel: parameters under it travel dense (their share counts against the budget).
         min_compression: the byte budget, dense bytes / bytes sent over the run (default
             :data:`MIN_COMPRESSION` of the compressor's family).
+        step_hook: how an Adam stage reaches the optimizer's step (see
+            :class:`~gradcomp.optim.FrozenVarianceAdam`): a pre-hook (DDP), or the integration calls it.
     """
     compressor = check_compressor(from_spec(compressor) if isinstance(compressor, str) else compressor)
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
@@ -187,7 +189,7 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
 
     transform, stage_name = None, "error feedback"
     if optimizer is not None:
-        transform, stage_name = _optimizer_stage(optimizer, compressor, named, dense_steps, notes)
+        transform, stage_name = _optimizer_stage(optimizer, compressor, named, dense_steps, notes, step_hook)
     from gradcomp.optim import DGC
 
     unsuited = (TwoBit,) if isinstance(transform, DGC) else ()
@@ -199,12 +201,12 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     return result
 
 
-def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list):
+def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list, step_hook: bool = True):
     """The transform for ``optimizer`` (changing the optimizer where the stage takes its momentum)."""
     from gradcomp.optim import DGC, FrozenVarianceAdam
 
     if isinstance(optimizer, torch.optim.Adam):
-        return FrozenVarianceAdam(optimizer, named, freeze_step=dense_steps, units="update"), \
+        return FrozenVarianceAdam(optimizer, named, freeze_step=dense_steps, units="update", step_hook=step_hook), \
             f"frozen-variance {type(optimizer).__name__} (freeze at step {dense_steps}, momentum in update units)"
     if isinstance(optimizer, torch.optim.SGD):
         groups = optimizer.param_groups

@@ -54,10 +54,14 @@ class FrozenVarianceAdam:
         freeze_step: optimizer steps of plain Adam before the variance freezes (>= 1).
         units: ``"update"`` (momentum / frozen denominator, the default) or ``"momentum"``.
         variance_floor: floor of a frozen ``sqrt(v_hat)`` as a fraction of the tensor's mean.
+        step_hook: register :meth:`before_optimizer_step` as the optimizer's step pre-hook (DDP).
+            An integration whose ``step()`` first averages the gradients (Horovod's optimizer)
+            passes ``False``, calls it itself once they are averaged, and sets :attr:`optimizer`
+            to the optimizer it returns to the user.
     """
 
     def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], freeze_step: int,
-                 units: str = "update", variance_floor: float = 0.1):
+                 units: str = "update", variance_floor: float = 0.1, step_hook: bool = True):
         if not isinstance(optimizer, torch.optim.Adam):
             raise TypeError(f"FrozenVarianceAdam takes a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
         for index, group in enumerate(optimizer.param_groups):
@@ -83,7 +87,7 @@ class FrozenVarianceAdam:
             raise ValueError(f"parameters {unmanaged[:5]} are not in the optimizer; the recipe needs every "
                              "parameter DDP averages to be stepped by it")
         self.freeze_step, self.units, self.variance_floor = freeze_step, units, float(variance_floor)
-        self._hook = optimizer.register_step_pre_hook(self._frozen_step)
+        self._hook = optimizer.register_step_pre_hook(self._frozen_step) if step_hook else None
 
     def parameter_names(self):
         """The names this stage knows (the engine's keys)."""
@@ -151,6 +155,10 @@ class FrozenVarianceAdam:
                            "of the module that DDP wraps") from None
 
     # -- the optimizer's step, after the freeze ---------------------------------------------
+    def before_optimizer_step(self) -> None:
+        """Apply the frozen-variance update to :attr:`optimizer`'s frozen parameters (see below)."""
+        self._frozen_step(self.optimizer, (), {})
+
     @torch.no_grad()
     def _frozen_step(self, optimizer, args, kwargs) -> None:
         """Step pre-hook: apply the frozen-variance update to every frozen parameter with a
