@@ -208,6 +208,15 @@ class _MomentumTransform:
     def commit(self, keys, accept: Union[bool, torch.Tensor] = True) -> None:
         pass
 
+    def settings(self) -> dict:
+        """Every setting of the optimizer that changes how replicas move, one entry per argument of
+        ``CompressedAdamW.__init__`` (the cross-rank check hashes them; ``lr``, ``betas``, ``eps``,
+        ``weight_decay``, ``freeze_step``, ``variance_floor`` and ``units`` per param group)."""
+        from gradcomp.optim.dgc import optimizer_settings
+
+        return {"param_groups": optimizer_settings(self.optimizer),
+                "named_parameters": tuple((name, p.numel()) for name, p in self.optimizer.names.items())}
+
     def state_dict(self) -> dict:
         group = self.optimizer.param_groups[0]
         return {"freeze_step": group["freeze_step"], "units": group["units"]}

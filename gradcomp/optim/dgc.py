@@ -38,7 +38,7 @@ import torch
 
 from gradcomp.error_feedback import ErrorFeedback
 
-__all__ = ["DGC"]
+__all__ = ["DGC", "optimizer_settings"]
 
 
 def _check_momentum_free(optimizer) -> None:
@@ -55,6 +55,24 @@ def _check_momentum_free(optimizer) -> None:
                 f"momentum={group['momentum']}; create it with momentum=0 (e.g. torch.optim.SGD(params, "
                 "lr=..., momentum=0.0)) and give the momentum to DGC(momentum=...)"
             )
+
+
+def _plain(value):
+    """``value`` as plain, repr-stable Python (tensors become numbers or tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else tuple(value.reshape(-1).tolist())
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def optimizer_settings(optimizer) -> Optional[Tuple[Tuple[Tuple[str, object], ...], ...]]:
+    """Each param group's hyperparameters (all but ``params``), sorted, as plain values; ``None``
+    without an optimizer. Ranks whose optimizers differ would move their replicas apart."""
+    if optimizer is None:
+        return None
+    return tuple(tuple(sorted((k, _plain(v)) for k, v in group.items() if k not in ("params", "step")))
+                 for group in optimizer.param_groups)
 
 
 class DGC:
@@ -176,13 +194,23 @@ class DGC:
             offset += n
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def settings(self) -> dict:
+    def _recipe(self) -> dict:
+        """The settings a checkpoint must have been saved with (the learning rate may change)."""
         return {"momentum": self.momentum, "masking": self.masking, "rescale_on_lr_change": self.rescale_on_lr_change}
+
+    def settings(self) -> dict:
+        """Every setting that changes how a replica moves, as plain values, one entry per argument of
+        ``__init__`` (the cross-rank check hashes them): the recipe, the parameters' names and sizes,
+        whether residuals are rescaled with the velocity, and the optimizer's param-group
+        hyperparameters (a different learning rate makes replicas diverge)."""
+        return {**self._recipe(), "optimizer": optimizer_settings(self.optimizer),
+                "residual_memory": self.residual_memory is not None,
+                "named_parameters": tuple((name, p.numel()) for name, p in self._params.items())}
 
     def state_dict(self) -> dict:
         """``{"settings": {...}, "velocity": {name: float32 tensor}, "lr": {name: float}}``, on CPU."""
         return {
-            "settings": self.settings(),
+            "settings": self._recipe(),
             "velocity": self.velocity.state_dict()["residuals"],
             "lr": dict(self._lr),
         }
@@ -191,9 +219,9 @@ class DGC:
         """Restore :meth:`state_dict`; raises ``ValueError`` (changing nothing) if it does not fit."""
         if not isinstance(state_dict, dict) or not {"settings", "velocity"} <= set(state_dict):
             raise ValueError("expected the dict from DGC.state_dict() (with 'settings' and 'velocity')")
-        if state_dict["settings"] != self.settings():
+        if state_dict["settings"] != self._recipe():
             raise ValueError(f"the checkpoint's DGC settings {state_dict['settings']} differ from this run's "
-                             f"{self.settings()}")
+                             f"{self._recipe()}")
         for name, value in state_dict["velocity"].items():
             if name not in self._params:
                 raise ValueError(f"the checkpoint has a velocity for {name!r}, which is no parameter of this model")
