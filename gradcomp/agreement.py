@@ -19,13 +19,16 @@ import torch
 
 from gradcomp.compressors.base import Compressor
 
-__all__ = ["AGREEMENT_FIELDS", "SettingsMismatchError", "settings_fingerprint", "check_agreement", "spec_of"]
+__all__ = ["AGREEMENT_FIELDS", "SettingsMismatchError", "settings_fingerprint", "check_agreement", "slot_settings",
+           "spec_of"]
 
 logger = logging.getLogger(__name__)
 
-#: What the ranks compare before they exchange anything (see :func:`check_agreement`).
-AGREEMENT_FIELDS = ("compressor", "error_feedback", "schedule", "transform", "min_numel", "world_size", "step",
-                    "group_numels", "group_dtypes")
+#: What the ranks compare before they exchange anything (see :func:`check_agreement`). The
+#: slots (compressor, exchange, policy, schedule, transform) each contribute their own
+#: ``settings()``, so a setting added to a slot is covered without a change here.
+AGREEMENT_FIELDS = ("compressor", "exchange", "policy", "error_feedback", "schedule", "transform", "min_numel",
+                    "world_size", "step", "group_numels", "group_dtypes")
 
 
 class SettingsMismatchError(RuntimeError):
@@ -46,8 +49,15 @@ def spec_of(compressor: Optional[Compressor]) -> Optional[str]:
     return spec if isinstance(spec, str) else repr(compressor)
 
 
-def _policy_settings(policy) -> object:
-    return policy.state_dict() if callable(getattr(policy, "state_dict", None)) else None
+def slot_settings(slot) -> object:
+    """A slot's settings as plain values: ``slot.settings()`` where it has one, else its
+    ``state_dict()``, else its class name (a slot without either states no settings)."""
+    if slot is None:
+        return None
+    for method in ("settings", "state_dict"):
+        if callable(getattr(slot, method, None)):
+            return (type(slot).__name__, getattr(slot, method)())
+    return type(slot).__name__
 
 
 def settings_fingerprint(engine, groups: Sequence[Tuple[Sequence[int], torch.dtype]]) -> Dict[str, object]:
@@ -57,23 +67,29 @@ def settings_fingerprint(engine, groups: Sequence[Tuple[Sequence[int], torch.dty
         engine: the :class:`gradcomp.engine.Engine` whose settings are read (not mutated).
         groups: ``(numels, dtype)`` of each group about to be exchanged.
     """
-    schedule = engine.schedule.state_dict() if callable(getattr(engine.schedule, "state_dict", None)) else None
+    two_phase = getattr(engine, "two_phase", None)
     return {
-        # How the compressor is chosen and exchanged travels with it: ranks that exchange
-        # differently, or where only some run a policy (it adds collectives), would hang.
-        "compressor": spec_of(engine.compressor) + ("" if engine.exchange == "allgather"
-                                                    else f" exchange={engine.exchange}")
-        + ("" if getattr(engine, "granularity", "parameter") == "parameter" else f" granularity={engine.granularity}")
-        + ("" if engine.policy is None else f" policy={type(engine.policy).__name__}{_policy_settings(engine.policy)}"),
+        # Whether compression is per parameter or per bucket changes every payload's size.
+        "compressor": (spec_of(engine.compressor), getattr(engine, "granularity", None)),
+        # Ranks that exchange differently, or where only some run a policy (it adds collectives), would hang.
+        "exchange": ((engine.exchange, slot_settings(two_phase)) if callable(getattr(two_phase, "settings", None))
+                     else engine.exchange),
+        "policy": slot_settings(engine.policy),
         "error_feedback": engine.error_feedback and engine.compressor.uses_error_feedback,
-        "schedule": (type(engine.schedule).__name__, schedule),
-        "transform": None if engine.transform is None else type(engine.transform).__name__,
+        "schedule": slot_settings(engine.schedule),
+        "transform": slot_settings(engine.transform),
         "min_numel": engine.min_numel,
         "world_size": engine.transport.world_size if engine.transport is not None else 1,
         "step": engine.step,  # the schedule's position: ranks resumed from different checkpoints differ here
         "group_numels": tuple(tuple(int(n) for n in numels) for numels, _ in groups),
         "group_dtypes": tuple(str(dtype) for _, dtype in groups),
     }
+
+
+def _shown(value, limit: int = 600) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a transform's settings list every parameter)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + " ...)"
 
 
 def check_agreement(engine, groups: Sequence[Tuple[Sequence[int], torch.dtype]], where: Hashable = None) -> None:
@@ -99,7 +115,7 @@ def check_agreement(engine, groups: Sequence[Tuple[Sequence[int], torch.dtype]],
             for rank, value in enumerate(values):
                 variants.setdefault(value, []).append(rank)
             sides = " vs ".join(f"ranks {ranks}" for ranks in variants.values())
-            differing.append(f"{name} ({sides}; rank {transport.rank} has {fields[name]!r})")
+            differing.append(f"{name} ({sides}; rank {transport.rank} has {_shown(fields[name])})")
     if differing:
         place = f" at group {where!r}" if where is not None else ""
         raise SettingsMismatchError(

@@ -14,7 +14,7 @@ import torch
 
 from gradcomp.agreement import spec_of
 
-__all__ = ["STATE_FORMAT", "state_dict", "prepare_load"]
+__all__ = ["STATE_FORMAT", "REQUIRED_KEYS", "MAX_STEP", "state_dict", "prepare_load", "check_float_vector"]
 
 #: The version of the state dict's layout (recorded as ``"format"``).
 STATE_FORMAT = 1
@@ -43,93 +43,92 @@ def state_dict(engine) -> dict:
     }
 
 
+#: The keys of :func:`state_dict`'s output; ``"owner_residuals"`` is written with the two-phase exchange only.
+REQUIRED_KEYS = ("format", "step", "world_size", "rank", "compressor", "schedule", "transform", "residuals")
+OPTIONAL_KEYS = ("owner_residuals",)
+#: The largest step a checkpoint may hold: far beyond any run, and safe in int64 arithmetic.
+MAX_STEP = 2**62
+MAX_WORLD_SIZE = 2**31
+
+
 def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = None,
                  unknown_residuals: str = "raise") -> Callable[[], None]:
     """Validate :func:`state_dict`'s output against ``engine`` and return the function that assigns it.
 
-    Validated first: the types, ``step``/``world_size``/``rank`` as integers, every residual a
-    finite 1-D float tensor whose numel equals its parameter's (``parameter_numels``: name ->
-    numel, where the adapter knows the parameters), the schedule (its ``load_state_dict``
-    must raise without changing anything when it does not fit) and the transform. A rejected
+    Everything is validated before anything is assigned, and the returned function does not fail
+    on a validated dict: every key of :data:`REQUIRED_KEYS` present and no unknown key, ``format``
+    this version's, ``step`` in ``[0, MAX_STEP]``, ``world_size``/``rank`` integers in range, every
+    residual a 1-D float tensor finite in float32 (the dtype it is stored in) whose numel equals its
+    parameter's (``parameter_numels``: name -> numel, where the adapter knows the parameters), the
+    schedule's and the transform's state (their ``prepare_load`` or ``load_state_dict`` must raise
+    without changing anything when it does not fit) and the two-phase owners' residuals. A rejected
     load raises ``ValueError`` and leaves the live state exactly as it was.
 
     Residuals whose name matches no parameter raise (``unknown_residuals="warn"``: warn and
     drop them). A checkpoint of another world size or rank, or of another compressor
     (``"compressor"`` spec), loads with a warning and zero residuals: each residual is one
-    rank's private error of one compressor. Checkpoints of format 0 (no ``format``,
-    ``rank``, ``compressor`` or ``schedule`` keys) load as well.
+    rank's private error of one compressor.
     """
     if unknown_residuals not in ("raise", "warn"):
         raise ValueError(f"unknown_residuals must be 'raise' or 'warn', got {unknown_residuals!r}")
     if not isinstance(saved, Mapping):
         raise ValueError(f"expected the dict from state_dict(), got {type(saved).__name__}")
-    missing = {"step", "world_size", "residuals"} - set(saved)
+    missing = [key for key in REQUIRED_KEYS if key not in saved]
     if missing:
-        raise ValueError(f"state_dict lacks {sorted(missing)}; pass the dict from state_dict()")
-    fmt = saved.get("format", 0)
-    if fmt not in (0, STATE_FORMAT):
-        raise ValueError(f"state_dict format {fmt!r} is not one this version reads (0, {STATE_FORMAT})")
-    step = _int_field(saved, "step", 0)
-    world_size = _int_field(saved, "world_size", 1)
-    rank = _int_field(saved, "rank", 0) if "rank" in saved else None
-    residuals = saved["residuals"]
-    if not isinstance(residuals, Mapping):
-        raise ValueError(f"'residuals' must be a dict of parameter name -> tensor, got {type(residuals).__name__}")
-    kept = {}
-    for name, value in residuals.items():
-        if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ""
-            what = f"{type(value).__name__}{shape}"
-            raise ValueError(f"the residual of {name!r} must be a 1-D float tensor, got {what}")
-        if not bool(torch.isfinite(value).all()):
-            raise ValueError(f"the residual of {name!r} is not finite; the checkpoint is corrupt")
-        if parameter_numels is not None:
-            if name not in parameter_numels:
-                if unknown_residuals == "raise":
-                    raise ValueError(
-                        f"the checkpoint has a residual for {name!r}, which is no parameter of this model "
-                        "(pass unknown_residuals='warn' to drop such residuals with a warning)"
-                    )
-                warnings.warn(f"gradcomp: dropped the residual of {name!r}, which is no parameter of this model")
-                continue
-            if value.numel() != parameter_numels[name]:
-                raise ValueError(f"the residual of {name!r} has {value.numel()} elements but the parameter "
-                                 f"has {parameter_numels[name]}; was the model changed?")
-        kept[name] = value
-    saved_spec = saved.get("compressor")
-    if saved_spec is not None and not isinstance(saved_spec, str):
+        raise ValueError(f"state_dict lacks {missing}; pass the dict from state_dict()")
+    unknown = sorted(str(key) for key in saved if key not in REQUIRED_KEYS + OPTIONAL_KEYS)
+    if unknown:
+        raise ValueError(f"state_dict has keys {unknown} that gradcomp does not write; pass the dict from "
+                         "state_dict() (the model's and optimizer's states are loaded separately)")
+    fmt = saved["format"]
+    if fmt != STATE_FORMAT:
+        raise ValueError(f"state_dict format {fmt!r} is not the one this version reads ({STATE_FORMAT})")
+    step = _int_field(saved, "step", 0, MAX_STEP)
+    world_size = _int_field(saved, "world_size", 1, MAX_WORLD_SIZE)
+    rank = _int_field(saved, "rank", 0, world_size - 1)
+    kept = _checked_residuals(saved["residuals"], parameter_numels, unknown_residuals)
+    saved_spec = saved["compressor"]
+    if not isinstance(saved_spec, str):
         raise ValueError(f"'compressor' must be a spec string, got {type(saved_spec).__name__}")
     transport = engine.transport
     here = (transport.world_size, transport.rank) if transport is not None else (1, 0)
-    saved_schedule = saved.get("schedule")
+    saved_schedule = saved["schedule"]
     if saved_schedule is not None and callable(getattr(engine.schedule, "load_state_dict", None)):
         engine.schedule.load_state_dict(saved_schedule)  # checks; raises without changing anything
-    saved_transform = saved.get("transform")
-    if (saved_transform is None) != (engine.transform is None) and fmt != 0:
+    saved_transform = saved["transform"]
+    if (saved_transform is None) != (engine.transform is None):
         raise ValueError("the checkpoint was saved " + ("without" if saved_transform is None else "with")
                          + " an optimizer-aware transform and this run " + ("has one" if saved_transform is None
                                                                              else "has none"))
+    assign_transform = None
+    if engine.transform is not None:
+        prepare = getattr(engine.transform, "prepare_load", None)
+        if callable(prepare):
+            assign_transform = prepare(saved_transform)  # checks; changes nothing
+        else:  # a transform whose load checks everything before it changes anything
+            assign_transform = lambda: engine.transform.load_state_dict(saved_transform)  # noqa: E731
     reset_reason = None
-    if world_size != here[0] or (rank is not None and rank != here[1]):
-        saved_at = f"rank {rank} of " if rank is not None else ""
-        reset_reason = (f"the checkpoint was saved by {saved_at}world size {world_size} and is loaded by rank "
+    if world_size != here[0] or rank != here[1]:
+        reset_reason = (f"the checkpoint was saved by rank {rank} of world size {world_size} and is loaded by rank "
                         f"{here[1]} of world size {here[0]}")
-    elif saved_spec is not None and saved_spec != spec_of(engine.compressor):
+    elif saved_spec != spec_of(engine.compressor):
         reset_reason = (f"the checkpoint's residuals were made by {saved_spec!r}, "
                         f"this run uses {spec_of(engine.compressor)!r}")
 
     saved_owners = saved.get("owner_residuals")
     assign_owners = None
-    if engine.two_phase is not None and saved_owners is not None and reset_reason is None:
-        assign_owners = engine.two_phase.prepare_load(saved_owners)  # checks; changes nothing
+    if engine.two_phase is not None and saved_owners is not None:
+        # Checked even when it is then dropped: a corrupt checkpoint is rejected, not half-read.
+        assign_owners = engine.two_phase.prepare_load(saved_owners, world_size, rank)  # changes nothing
+        if reset_reason is not None:
+            assign_owners = None
     elif engine.two_phase is None and saved_owners:
         warnings.warn("gradcomp: the checkpoint holds second-stage residuals of the two-phase exchange; "
                       "this run uses exchange='allgather' and drops them")
 
     def assign() -> None:
-        # The transform's own load comes first: if it refuses, nothing else has changed.
-        if engine.transform is not None and saved_transform is not None:
-            engine.transform.load_state_dict(saved_transform)
+        if assign_transform is not None:
+            assign_transform()
         engine.step = step
         if reset_reason is not None:
             if kept:
@@ -146,10 +145,43 @@ def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = 
     return assign
 
 
-def _int_field(saved, name: str, minimum: int) -> int:
+def _checked_residuals(residuals, parameter_numels: Optional[Mapping[str, int]], unknown_residuals: str) -> dict:
+    """The residuals to assign, each checked (see :func:`prepare_load`); raises ``ValueError``."""
+    if not isinstance(residuals, Mapping):
+        raise ValueError(f"'residuals' must be a dict of parameter name -> tensor, got {type(residuals).__name__}")
+    kept = {}
+    for name, value in residuals.items():
+        check_float_vector(value, f"the residual of {name!r}")
+        if parameter_numels is not None:
+            if name not in parameter_numels:
+                if unknown_residuals == "raise":
+                    raise ValueError(
+                        f"the checkpoint has a residual for {name!r}, which is no parameter of this model "
+                        "(pass unknown_residuals='warn' to drop such residuals with a warning)"
+                    )
+                warnings.warn(f"gradcomp: dropped the residual of {name!r}, which is no parameter of this model")
+                continue
+            if value.numel() != parameter_numels[name]:
+                raise ValueError(f"the residual of {name!r} has {value.numel()} elements but the parameter "
+                                 f"has {parameter_numels[name]}; was the model changed?")
+        kept[name] = value
+    return kept
+
+
+def check_float_vector(value, what: str) -> None:
+    """Raise ``ValueError`` unless ``value`` is a 1-D float tensor finite in float32, the dtype
+    gradcomp keeps residuals and velocities in (a float64 1e300 is finite, its float32 is not)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ""
+        raise ValueError(f"{what} must be a 1-D float tensor, got {type(value).__name__}{shape}")
+    if not bool(torch.isfinite(value.detach().to(torch.float32)).all()):
+        raise ValueError(f"{what} is not finite in float32; the checkpoint is corrupt")
+
+
+def _int_field(saved, name: str, minimum: int, maximum: int) -> int:
     value = saved[name]
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"'{name}' must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"'{name}' must be an integer in [{minimum}, {maximum}], got {value!r}")
     return value

@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from gradcomp.compressors.base import Compressor
-from gradcomp.two_phase import chunk_layouts
+from gradcomp.two_phase import chunk_layouts, phase2_slot_nbytes
 
 __all__ = ["Link", "Cluster", "Kernels", "Cost", "EXCHANGE_NAMES", "predict", "predict_all", "gbit"]
 
@@ -179,8 +179,7 @@ def _all_to_all(cluster: Cluster, slot: float) -> float:
 
 def _two_phase_bytes(compressor: Compressor, numel: int, p: int, dtype: torch.dtype):
     _, slot1 = chunk_layouts(compressor, numel, p, dtype)
-    _, slot2 = chunk_layouts(compressor, numel, p, torch.float32)
-    return slot1, slot2
+    return slot1, phase2_slot_nbytes(compressor, numel, p)
 
 
 def predict(exchange: str, compressor: Optional[Compressor], numel: int, cluster: Cluster,

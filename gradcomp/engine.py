@@ -401,9 +401,9 @@ class Engine:
         out = grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32,
                                                                     device=grad.device)
         average_gathered(handle.compressor, layout, gathered, out, self.backend)
-        self._commit(handle, out)
         if out is not grad:
             grad.copy_(out)
+        self._commit(handle, grad)  # on what the model receives: a float16 overflow rejects the step
         return grad
 
     def _exchange_context(self) -> ExchangeContext:
@@ -412,7 +412,11 @@ class Engine:
 
     def _commit(self, handle: Handle, average: torch.Tensor) -> None:
         """Commit ``e'`` (and the transform's state) only if ``average`` is finite; the
-        decision stays a device tensor, read at the next use of these residuals."""
+        decision stays a device tensor, read at the next use of these residuals.
+
+        ``average`` is what the group's gradient received, in the gradient's dtype (every
+        exchange passes the gradient itself after the write), so a result finite in float32
+        that overflows in float16 commits nothing."""
         compressed = handle.mode != "dense"
         feedback = compressed and handle.compressor.uses_error_feedback and self.error_feedback
         if not feedback and self.transform is None:

@@ -158,6 +158,14 @@ class ErrorFeedback:
         group.resolve()
         return group.slice(group.keys.index(key))
 
+    def drop(self, keys: Sequence[Hashable]) -> None:
+        """Forget the residuals of ``keys`` (those it has); the others are kept."""
+        emptied: List[Tuple[Hashable, ...]] = []
+        for key in keys:
+            self._take(key, emptied)
+        for old_key in emptied:
+            del self._groups[old_key]
+
     def keys(self) -> List[Hashable]:
         return list(self._owner) + list(self._loaded)
 

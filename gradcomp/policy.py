@@ -16,6 +16,11 @@ every ``recheck_every`` steps the ranks share how measured exchange times compar
 predictions, and if the link looks slower or faster by more than ``link_margin`` its bandwidth is
 rescaled and every group is decided again.
 
+Invalid measurements (NaN, infinite or negative, e.g. from a faulty clock or hook) never make one
+rank raise inside the policy's collectives: each is shared as "missing" and every rank drops the
+same ones. A candidate no rank timed validly is never chosen; a link no rank timed validly raises
+the same ``RuntimeError`` on every rank, after the collective.
+
 Use::
 
     engine = Engine(gradcomp.TopK(0.01), transport, policy=Auto())     # the base compressor only
@@ -28,6 +33,7 @@ seconds; the choices are logged once per decision.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
@@ -47,6 +53,18 @@ logger = logging.getLogger(__name__)
 # known magnitude only and sends almost nothing elsewhere.
 DEFAULT_CANDIDATES = ("fp16", "twobit:rms", "topk:0.01")
 _NS = 1e9
+_MISSING = -1  # a measurement that was no finite time >= 0, as shared with the other ranks
+
+
+def _fastest(gathered: torch.Tensor) -> list:
+    """Per column of float64 ``[P, F]``, the least valid value (``inf`` where none is valid)."""
+    return torch.where(torch.isnan(gathered), math.inf, gathered).min(dim=0).values.tolist()
+
+
+def _slowest(gathered: torch.Tensor) -> list:
+    """Per column of float64 ``[P, F]``, the largest valid value (``inf`` where none is valid)."""
+    largest = torch.where(torch.isnan(gathered), -math.inf, gathered).max(dim=0).values
+    return torch.where(torch.isinf(largest), math.inf, largest).tolist()
 
 
 class Auto:
@@ -143,8 +161,16 @@ class Auto:
         link = None if self.link is None else {"latency_s": self.link.latency_s, "bandwidth_Bps": self.link.bandwidth}
         return {"link": link, "groups": {g: dict(d) for g, d in self.decisions.items()}}
 
+    def settings(self) -> dict:
+        """Every setting that changes what ranks choose (plain values; the cross-rank check hashes
+        them): ranks with different margins or recheck intervals would pick different methods or
+        run their shared measurements at different steps, and hang. ``measurement_hook`` is a test
+        instrument that replaces this rank's own measurements, which differ between ranks anyway."""
+        return {"candidates": tuple(c.spec for c in self.candidates), "dense_margin": float(self.dense_margin),
+                "link_margin": float(self.link_margin), "recheck_every": self.recheck_every}
+
     def state_dict(self) -> dict:
-        return {"candidates": [c.spec for c in self.candidates]}
+        return self.settings()
 
     # -- measurements shared by all ranks -------------------------------------------------
     def _hooked(self, kind: str, group: Hashable, seconds: float) -> float:
@@ -152,9 +178,16 @@ class Auto:
 
     @staticmethod
     def _gather(engine, values: Sequence[float]) -> torch.Tensor:
-        """Every rank's ``values`` (seconds, as integer ns so all ranks hold the same numbers): float64 [P, F]."""
-        local = torch.tensor([max(0, min(int(v * _NS), 2**62)) for v in values], dtype=torch.int64)
-        return engine.transport.agree(local).view(-1, len(values)).to(torch.float64) / _NS
+        """Every rank's ``values`` (seconds, as integer ns so all ranks hold the same numbers): float64
+        ``[P, F]``, NaN where a rank's value was not a finite time >= 0.
+
+        An invalid measurement is shared as missing rather than raised here: a rank that raised
+        alone would leave the others waiting in this collective. Every rank then drops the same
+        missing values (:func:`_fastest`, :func:`_slowest`)."""
+        local = torch.tensor([min(int(v * _NS), 2**62) if math.isfinite(v) and v >= 0 else _MISSING
+                              for v in (float(v) for v in values)], dtype=torch.int64)
+        gathered = engine.transport.agree(local).view(-1, len(values)).to(torch.float64)
+        return torch.where(gathered < 0, torch.full_like(gathered, math.nan), gathered / _NS)
 
     def _agree_link(self, engine) -> None:
         if not self._dense:
@@ -170,8 +203,13 @@ class Auto:
         keys = sorted(samples, key=lambda key: (repr(key[0]), key[1]))
         times = [statistics.median(samples[key]) for key in keys]
         nbytes = [nb for _, nb in keys]
-        fastest = self._gather(engine, times).min(dim=0).values.tolist()
-        self.link = self._fit(engine.transport.world_size, nbytes, fastest)
+        fastest = _fastest(self._gather(engine, times))
+        valid = [i for i, t in enumerate(fastest) if math.isfinite(t)]
+        if not valid:  # the same verdict on every rank: all of them gathered the same values
+            raise RuntimeError("gradcomp.Auto: no rank measured a valid link time during warm-up (every "
+                               "measurement was NaN, infinite or negative); check the measurement_hook or the "
+                               "clock, or pass a fixed compressor without policy=")
+        self.link = self._fit(engine.transport.world_size, [nbytes[i] for i in valid], [fastest[i] for i in valid])
         self._last_check = engine.step
         self._dense.clear()
 
@@ -217,7 +255,7 @@ class Auto:
         if missing:
             local = [self._hooked(f"kernel:{c.spec}", group, self._kernel_seconds(engine, c, numel, dtype, device))
                      for c in missing]
-            slowest = self._gather(engine, local).max(dim=0).values.tolist()
+            slowest = _slowest(self._gather(engine, local))  # inf where no rank measured: never chosen
             self._kernels.update({(c.spec, numel): s for c, s in zip(missing, slowest)})
         cluster = costmodel.Cluster(engine.transport.world_size, self.link)
         dense = costmodel.predict("dense", None, numel, cluster, dtype=dtype)
@@ -247,8 +285,8 @@ class Auto:
         self._last_check = engine.step
         local = statistics.median(self._ratios) if self._ratios else 1.0
         self._ratios.clear()
-        ratio = self._gather(engine, [local]).min().item()  # the least-waiting rank, as for the link
-        if ratio <= 0 or 1 / (1 + self.link_margin) <= ratio <= 1 + self.link_margin:
+        ratio = _fastest(self._gather(engine, [local]))[0]  # the least-waiting rank, as for the link
+        if not math.isfinite(ratio) or ratio <= 0 or 1 / (1 + self.link_margin) <= ratio <= 1 + self.link_margin:
             return
         logger.info("gradcomp.Auto: exchanges take %.2fx the predicted time; deciding again", ratio)
         self.link = costmodel.Link(self.link.latency_s * ratio, self.link.bandwidth / ratio)

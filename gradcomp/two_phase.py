@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import warnings
 from typing import Callable, Dict, Hashable, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -63,7 +64,7 @@ from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import PayloadError, validate_payload
 
 __all__ = ["EXCHANGES", "ExchangeContext", "check_exchange", "chunk_bounds", "chunk_layouts", "slot_nbytes",
-           "owner_key", "TwoPhaseExchange"]
+           "phase2_slot_nbytes", "VERDICT_NBYTES", "owner_key", "TwoPhaseExchange"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +118,53 @@ def chunk_layouts(compressor: Compressor, numel: int, world_size: int,
 
 
 def slot_nbytes(compressor: Compressor, numel: int, world_size: int, dtype: torch.dtype) -> Tuple[int, int]:
-    """``(slot1, slot2)``: the bytes of one chunk's slot in phase 1 (gradient ``dtype``) and phase 2 (float32)."""
-    return (chunk_layouts(compressor, numel, world_size, dtype)[1],
-            chunk_layouts(compressor, numel, world_size, torch.float32)[1])
+    """``(slot1, slot2)``: the bytes of one chunk's slot in phase 1 (gradient ``dtype``) and phase 2
+    (the verdict, then a float32 payload)."""
+    return chunk_layouts(compressor, numel, world_size, dtype)[1], phase2_slot_nbytes(compressor, numel, world_size)
+
+
+#: Bytes at the start of every phase-2 slot: the owner's verdict on the phase-1 chunks it received
+#: (int32 ``[2]``: 1 if rejected and the sending rank, then the reason in UTF-8, zero-padded).
+VERDICT_NBYTES = 128
+
+
+def phase2_slot_nbytes(compressor: Compressor, numel: int, world_size: int) -> int:
+    """Bytes of one rank's phase-2 slot: the verdict, then the float32 layout's largest chunk payload."""
+    return VERDICT_NBYTES + chunk_layouts(compressor, numel, world_size, torch.float32)[1]
+
+
+def write_verdict(slot: torch.Tensor, sender: int, reason: str) -> None:
+    """Write "the chunk from ``sender`` was rejected for ``reason``" into the first
+    :data:`VERDICT_NBYTES` of the uint8 ``slot`` (mutated); the reason is cut to fit."""
+    text = reason.encode("utf-8")[: VERDICT_NBYTES - 8].decode("utf-8", errors="ignore").encode("utf-8")
+    slot[:8].copy_(torch.tensor([1, sender], dtype=torch.int32).view(torch.uint8).to(slot.device))
+    slot[8: 8 + len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(slot.device))
+
+
+def read_verdict(header: torch.Tensor, owner: int, world_size: int) -> None:
+    """Raise the :class:`PayloadError` that ``owner``'s verdict header (uint8 ``[VERDICT_NBYTES]``)
+    carries, naming the rank that sent the rejected chunk; return if the owner accepted its chunks.
+    A header that is neither a verdict nor all zeros names ``owner`` itself as the culprit."""
+    if not bool(header.any()):
+        return
+    flag, sender = header[:8].cpu().view(torch.int32).tolist()
+    reason = bytes(header[8:].cpu().tolist()).rstrip(b"\0").decode("utf-8", errors="replace")
+    if flag != 1 or not 0 <= sender < world_size:
+        raise PayloadError(f"a malformed verdict header in its two-phase slot (flag {flag}, sender {sender})", owner)
+    raise PayloadError(f"{reason}; found by rank {owner}, the owner of that chunk, in phase 1", sender)
+
+
+def _parse_owner_key(name) -> Optional[Tuple[int, int]]:
+    """``(chunk, world_size)`` of a name :func:`owner_key` made, else ``None``."""
+    if not isinstance(name, str):
+        return None
+    parts = name.split(":")
+    if len(parts) != 3 or parts[0] != "two_phase" or len(parts[1]) != 16 or "/" not in parts[2]:
+        return None
+    chunk, _, world_size = parts[2].partition("/")
+    if not (chunk.isdigit() and world_size.isdigit()) or int(chunk) >= int(world_size):
+        return None
+    return int(chunk), int(world_size)
 
 
 def owner_key(keys: Sequence[Hashable], world_size: int, chunk: int) -> str:
@@ -182,8 +227,20 @@ class TwoPhaseExchange:
                                f"expected {world_size} ranks x {slot1}; ranks disagree on the model, its dtypes "
                                "or the compressor settings")
         mine = bounds[rank + 1] - bounds[rank]
-        received = [self._checked(compressor, layouts1[rank], incoming, i, slot1, mine, handle.group)
-                    for i in range(world_size)]
+        slot2 = phase2_slot_nbytes(compressor, numel, world_size)
+        wire = torch.zeros(slot2, dtype=torch.uint8, device=source.device)
+        try:
+            received = [self._checked(compressor, layouts1[rank], incoming, i, slot1, mine, handle.group)
+                        for i in range(world_size)]
+        except PayloadError as error:
+            # Not raised here: the other ranks would wait in the phase-2 allgather. The verdict
+            # travels in this rank's phase-2 slot and every rank raises it in finish().
+            write_verdict(wire, error.rank, error.reason)
+            handle.payload = None
+            context.record(handle.group, world_size * slot1 + slot2, numel * source.element_size(),
+                           compress_s, "two_phase", resolve_backend(source.device, backend))
+            handle.work = transport.allgather(wire, f"{handle.group}.two_phase.2")
+            return
         average = torch.zeros(mine, dtype=torch.float32, device=source.device)
         for payload in received:  # rank order: the same sum on every owner
             compressor.decompress_add(payload, average, backend)
@@ -191,54 +248,64 @@ class TwoPhaseExchange:
 
         started2 = time.perf_counter()
         key = owner_key(handle.keys, world_size, rank)
-        self._note_group(key, handle.keys)
+        self._note_group(key, handle.keys, mine)
         feedback = compressor.uses_error_feedback and context.error_feedback
         if feedback:
             owner_in, owner_out = self.owner_memory.buffers([key], [mine], source.device)
             reduced = compressor.compress(average, owner_in, owner_out, backend=backend)
         else:
             reduced = compressor.compress(average, backend=backend)
-        _, slot2 = chunk_layouts(compressor, numel, world_size, torch.float32)
-        wire = torch.zeros(slot2, dtype=torch.uint8, device=source.device)
-        wire[: reduced.nbytes].copy_(reduced.buffer)
+        wire[VERDICT_NBYTES: VERDICT_NBYTES + reduced.nbytes].copy_(reduced.buffer)
         compress_s += time.perf_counter() - started2
         handle.payload = reduced
         context.record(handle.group, world_size * slot1 + slot2, numel * source.element_size(),
-                                compress_s, "two_phase", resolve_backend(source.device, backend))
+                       compress_s, "two_phase", resolve_backend(source.device, backend))
         handle.work = transport.allgather(wire, f"{handle.group}.two_phase.2")
 
     def finish(self, context: ExchangeContext, handle, result: torch.Tensor) -> torch.Tensor:
-        """Validate and decode the gathered averages into ``handle.grad``; commit both stages if finite."""
+        """Check every owner's verdict, validate and decode the gathered averages into ``handle.grad``;
+        commit both stages if what ``handle.grad`` received (in its own dtype) is finite.
+
+        Raises :class:`PayloadError` naming the sender, the same on every rank, when an owner
+        rejected a phase-1 chunk (its verdict) or a phase-2 payload is malformed; nothing is then
+        written and no residual of either stage is committed.
+        """
         compressor, grad, backend = handle.compressor, handle.grad, context.backend
         world_size, rank, numel = context.transport.world_size, context.transport.rank, grad.numel()
         bounds = chunk_bounds(numel, world_size)
-        layouts2, slot2 = chunk_layouts(compressor, numel, world_size, torch.float32)
+        layouts2, _ = chunk_layouts(compressor, numel, world_size, torch.float32)
+        slot2 = phase2_slot_nbytes(compressor, numel, world_size)
         gathered = result.reshape(-1).view(torch.uint8)
         if gathered.numel() != world_size * slot2:
             raise PayloadError(f"the allgather of group {handle.group!r} returned {gathered.numel()} bytes, "
                                f"expected {world_size} ranks x {slot2}; ranks disagree on the model, its dtypes "
                                "or the compressor settings")
+        for owner in range(world_size):  # owner order: every rank raises the same first verdict
+            read_verdict(gathered[owner * slot2: owner * slot2 + VERDICT_NBYTES], owner, world_size)
         payloads = [self._checked(compressor, layouts2[j], gathered, j, slot2, bounds[j + 1] - bounds[j],
-                                  handle.group) for j in range(world_size)]
+                                  handle.group, VERDICT_NBYTES) for j in range(world_size)]
         out = grad if grad.dtype == torch.float32 else torch.empty(numel, dtype=torch.float32, device=grad.device)
         out.zero_()
         for j, payload in enumerate(payloads):
             compressor.decompress_add(payload, out[bounds[j]: bounds[j + 1]], backend)
-        accept = torch.isfinite(out).all()
-        context.commit(handle, out)  # first stage (and a transform), from the same decision
-        if compressor.uses_error_feedback and context.error_feedback:
-            self.owner_memory.commit([owner_key(handle.keys, world_size, rank)], accept)
         if out is not grad:
             grad.copy_(out)
+        # The commit rule holds for what the model receives: an average finite in float32 that
+        # overflows in the gradient's float16 rejects the step.
+        accept = torch.isfinite(grad).all()
+        context.commit(handle, grad)  # first stage (and a transform), from the same decision
+        if compressor.uses_error_feedback and context.error_feedback:
+            self.owner_memory.commit([owner_key(handle.keys, world_size, rank)], accept)
         return grad
 
     @staticmethod
     def _checked(compressor, layout: PayloadLayout, buffer: torch.Tensor, sender: int, slot: int, numel: int,
-                 group) -> Payload:
-        """Sender's payload in its slot of ``buffer``, validated (and its padding zero) before any decode."""
-        block = buffer[sender * slot: (sender + 1) * slot]
+                 group, header: int = 0) -> Payload:
+        """Sender's payload in its slot of ``buffer`` (after ``header`` bytes), validated (and its
+        padding zero) before any decode."""
+        block = buffer[sender * slot + header: (sender + 1) * slot]
         try:
-            if layout.nbytes < slot and bool(block[layout.nbytes:].any()):
+            if layout.nbytes < block.numel() and bool(block[layout.nbytes:].any()):
                 raise PayloadError("non-zero bytes in the padding of its two-phase slot", sender)
             payload = Payload(layout, block[: layout.nbytes])
             validate_payload(compressor, payload, numel, rank=sender)
@@ -246,31 +313,56 @@ class TwoPhaseExchange:
             raise PayloadError(f"{error.reason} (group {group!r}, two-phase)", error.rank) from error
         return payload
 
-    def _note_group(self, key: str, keys: Tuple[Hashable, ...]) -> None:
+    def _note_group(self, key: str, keys: Tuple[Hashable, ...], numel: int) -> None:
+        """Remember ``key``'s group; drop what no longer fits the layout: the second-stage residuals of
+        groups that shared parameters with it (DDP rebuilt its buckets), which would otherwise be kept
+        and saved for ever, and a loaded residual of another size than this chunk."""
         if key not in self._known_groups:
             stale = [k for k, held in self._known_groups.items() if set(held) & set(keys) and held != keys]
             if stale:
+                self.owner_memory.drop(stale)
+                for old in stale:
+                    del self._known_groups[old]
                 logger.info("gradcomp: two-phase groups regrouped (first: %r); their second-stage residuals "
                             "start from zero", keys[0])
             self._known_groups[key] = tuple(keys)
+        held = self.owner_memory.residual(key)
+        if held is not None and held.numel() != numel:
+            self.owner_memory.drop([key])
+            warnings.warn(f"gradcomp: the second-stage residual {key!r} has {held.numel()} elements, its chunk "
+                          f"{numel}; it is dropped (was it loaded from a checkpoint of another layout?)")
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """``{owner_key: float32 1-D CPU tensor}``: the second-stage residuals this rank owns."""
         return self.owner_memory.state_dict()["residuals"]
 
-    def prepare_load(self, residuals) -> Callable[[], None]:
-        """Validate saved second-stage residuals and return the function that assigns them."""
+    def prepare_load(self, residuals, world_size: int, rank: int) -> Callable[[], None]:
+        """Validate saved second-stage residuals and return the function that assigns them.
+
+        Each must be keyed by :func:`owner_key` for the saved ``world_size`` and the chunk the
+        saved ``rank`` owns, and be a 1-D float tensor finite in float32; one whose group this
+        exchange already knows must have that chunk's size. (A group not yet seen is checked at
+        its first use, where a residual of the wrong size is dropped with a warning: raising
+        there would be one rank deciding alone.) Raises ``ValueError``; changes nothing."""
+        from gradcomp.checkpoint import check_float_vector
+
         if not isinstance(residuals, Mapping):
             raise ValueError(f"'owner_residuals' must be a dict of name -> tensor, got {type(residuals).__name__}")
         kept: Dict[str, torch.Tensor] = {}
         for name, value in residuals.items():
-            if not isinstance(name, str) or not name.startswith("two_phase:"):
+            parsed = _parse_owner_key(name)
+            if parsed is None:
                 raise ValueError(f"'owner_residuals' has an entry {name!r} that no two-phase exchange wrote")
-            if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
-                raise ValueError(f"the second-stage residual {name!r} must be a 1-D float tensor")
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"the second-stage residual {name!r} is not finite; the checkpoint is corrupt")
+            if parsed != (rank, world_size):
+                raise ValueError(f"the second-stage residual {name!r} belongs to chunk {parsed[0]} of world size "
+                                 f"{parsed[1]}, but the checkpoint was saved by rank {rank} of world size "
+                                 f"{world_size}; the checkpoint is corrupt")
+            check_float_vector(value, f"the second-stage residual {name!r}")
+            live = self.owner_memory.residual(name)
+            if live is not None and live.numel() != value.numel():
+                raise ValueError(f"the second-stage residual {name!r} has {value.numel()} elements, its chunk "
+                                 f"{live.numel()}; was the model or the world size changed?")
             kept[name] = value
 
         def assign() -> None:

@@ -187,3 +187,81 @@ def hostile_step(rank, world_size, out_dir, corruption, backend, corrupt_rank=1,
         "backend": backend,
     }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+# -- the two-phase exchange (test_hostile_peers.py) -------------------------------------------------
+TWO_PHASE_CASES = [
+    # (phase whose payload the hostile rank corrupts, compressor spec, corruption)
+    (1, "topk:0.05", "out_of_range"),
+    (1, "topk:0.05", "duplicate"),
+    (1, "twobit:rms", "negative_scale"),
+    (2, "topk:0.05", "out_of_range"),
+    (2, "twobit:rms", "negative_scale"),
+]
+TWO_PHASE_KEYS, TWO_PHASE_NUMELS = ("layer.weight", "layer.bias"), (700, 333)
+
+
+def _corrupt_any(payload, corruption):
+    if corruption == "negative_scale":  # a 2-bit payload of the "rms" mode ships its threshold
+        payload["scale"].fill_(-1.0)
+    else:
+        corrupt(payload, corruption)
+
+
+def corrupting(spec, corruption, armed):
+    """The compressor of ``spec`` whose ``compress`` corrupts the payloads of phase ``armed["phase"]``
+    (calls ``0 .. P-1`` of a step are phase 1's chunks, call ``P`` is phase 2) while ``armed["on"]``."""
+    compressor = gradcomp.from_spec(spec)
+    honest_compress = compressor.compress
+
+    def compress(*args, **kwargs):
+        payload = honest_compress(*args, **kwargs)
+        if armed["on"]:
+            call = armed["call"]
+            armed["call"] += 1
+            if (call < armed["world_size"]) == (armed["phase"] == 1):
+                _corrupt_any(payload, corruption)
+                armed["corrupted"] += 1
+        return payload
+
+    compressor.compress = compress
+    return compressor
+
+
+def two_phase_hostile(rank, world_size, out_dir, backend, corrupt_rank=1, honest_steps=2):
+    """For each of :data:`TWO_PHASE_CASES`: a fresh two-phase engine, ``honest_steps`` steps, then a
+    step in which ``corrupt_rank`` corrupts its payloads of one phase. Saves per case: the error
+    text (``None`` if none), seconds the step took, the gradient and the state before and after."""
+    import time
+
+    from gradcomp.engine import Engine
+    from gradcomp.hooks.ddp import TorchDistributedTransport
+
+    results = {}
+    for phase, spec, corruption in TWO_PHASE_CASES:
+        armed = {"on": False, "call": 0, "corrupted": 0, "phase": phase, "world_size": world_size}
+        compressor = corrupting(spec, corruption, armed) if rank == corrupt_rank else gradcomp.from_spec(spec)
+        engine = Engine(compressor, TorchDistributedTransport(), warmup_steps=0, min_numel=0, exchange="two_phase",
+                        backend=backend)
+        grad = None
+        for step in range(honest_steps + 1):
+            generator = torch.Generator().manual_seed(1000 * step + rank)
+            grad = torch.randn(sum(TWO_PHASE_NUMELS), generator=generator)
+            if step == honest_steps:
+                before, grad_before = _tensors(engine.state_dict()), grad.clone()
+                armed["on"] = True
+            started = time.monotonic()
+            error = None
+            try:
+                handle = engine.start(grad, TWO_PHASE_KEYS, TWO_PHASE_NUMELS, "g")
+                engine.finish(handle, handle.work.wait()[0])
+            except Exception as caught:  # what the user would see
+                error = f"{type(caught).__name__}: {caught}\n{traceback.format_exc()}"
+            engine.end_step()
+            if step < honest_steps:
+                assert error is None, error
+        results[(phase, spec, corruption)] = {
+            "error": error, "seconds": time.monotonic() - started, "corrupted": armed["corrupted"],
+            "before": before, "after": _tensors(engine.state_dict()), "grad_before": grad_before,
+            "grad_after": grad.clone()}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -56,3 +56,11 @@ def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps, r
         modes.append({g: s["mode"] for g, s in groups.items()})
     stats = state.stats()
     return {"params": [p.detach().clone() for p in model.parameters()], "policy": stats["policy"], "modes": modes}
+
+
+def auto_error_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps):
+    """:func:`auto_worker`, returning the error a rank got (``{"error": text}``) instead of raising."""
+    try:
+        return auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps)
+    except Exception as error:  # what the user would see
+        return {"error": f"{type(error).__name__}: {error}"}

@@ -160,18 +160,42 @@ def dying_rank_run(rank, world_size, spec, die_at):
 
 
 # -- ranks that disagree (tests/test_agreement.py) ---------------------------------------------------
+def _transform_of(model, state_kwargs):
+    """Replace ``state_kwargs["transform"]``, ``(kind, arguments)`` with kind ``"dgc"`` or
+    ``"adamw"``, by the optimizer stage built on ``model``; returns the optimizer to step (or ``None``)."""
+    from gradcomp.optim import DGC, CompressedAdamW
+
+    spec = state_kwargs.pop("transform", None)
+    if spec is None:
+        return None
+    kind, arguments = spec
+    if kind == "dgc":
+        optimizer = torch.optim.SGD(model.parameters(), lr=arguments.get("lr", 0.05), momentum=0.0)
+        state_kwargs["transform"] = DGC(model.named_parameters(), momentum=arguments["momentum"], optimizer=optimizer)
+        return optimizer
+    optimizer = CompressedAdamW(model.named_parameters(), **arguments)
+    state_kwargs["transform"] = optimizer.transform
+    return optimizer
+
+
 def _disagreeing_step(rank, compressor, state_kwargs, steps=3):
     """Train ``steps`` steps with settings that may differ per rank; the error each rank got."""
     from gradcomp.engine import SettingsMismatchError
 
     model = make_model("mlp")
     ddp = DDP(model)
+    state_kwargs = dict(state_kwargs)
+    optimizer = _transform_of(model, state_kwargs)
     state = gc_ddp.register(ddp, compressor, **state_kwargs)
     started = time.monotonic()
     for step in range(steps):
         try:
             x, y = batch(rank, step)
+            if optimizer is not None:
+                optimizer.zero_grad()
             torch.nn.functional.mse_loss(ddp(x), y).backward()
+            if optimizer is not None:
+                optimizer.step()
         except Exception as error:  # what the user would see
             cause = error
             while cause is not None and not isinstance(cause, SettingsMismatchError):

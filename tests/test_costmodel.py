@@ -6,7 +6,7 @@ import torch
 
 from gradcomp import TopK, TwoBit
 from gradcomp.costmodel import Cluster, Kernels, Link, gbit, predict
-from gradcomp.two_phase import chunk_bounds, chunk_layouts
+from gradcomp.two_phase import VERDICT_NBYTES, chunk_bounds, chunk_layouts
 
 LAN = Link(latency_s=50e-6, bandwidth=gbit(10))
 
@@ -25,9 +25,10 @@ def test_two_phase_bytes_are_the_chunk_layouts(p, numel):
     # 2-bit: ceil(c / 16) int32 words, rounded up to 8 bytes, for the largest chunk.
     slot = math.ceil(math.ceil(max(sizes) / 16) * 4 / 8) * 8
     cost = predict("two_phase", compressor, numel, one_node(p))
-    assert cost.parts["slot1"] == cost.parts["slot2"] == slot
-    assert cost.handed_bytes == p * slot + slot
-    assert cost.sent_bytes == (p - 1) * 2 * slot
+    # Phase 2's slot starts with the owner's verdict on the phase-1 chunks it received.
+    assert cost.parts["slot1"] == cost.parts["slot2"] - VERDICT_NBYTES == slot
+    assert cost.handed_bytes == p * slot + slot + VERDICT_NBYTES
+    assert cost.sent_bytes == (p - 1) * (2 * slot + VERDICT_NBYTES)
 
 
 def test_topk_bytes_per_chunk_and_dtype():
@@ -38,7 +39,7 @@ def test_topk_bytes_per_chunk_and_dtype():
     assert slot16 == math.ceil(2 * k / 8) * 8 + math.ceil(4 * k / 8) * 8
     assert slot32 == 2 * math.ceil(4 * k / 8) * 8
     cost = predict("two_phase", compressor, numel, one_node(p), dtype=torch.float16)
-    assert cost.handed_bytes == p * slot16 + slot32
+    assert cost.handed_bytes == p * slot16 + slot32 + VERDICT_NBYTES
 
 
 def test_allgather_and_dense_bytes():

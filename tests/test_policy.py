@@ -47,6 +47,22 @@ def test_very_slow_link_picks_compression_and_ranks_agree(tmp_path):
         assert decision["measured_s"] is not None and decision["measured_s"] >= 0
 
 
+def test_a_nan_measurement_on_one_rank_is_dropped_by_every_rank(tmp_path):
+    # Rank 1's clock gives NaN for every link and kernel time; rank 0's are valid. No rank raises
+    # alone: the NaNs are shared as missing, and both ranks decide from rank 0's times.
+    results = run(tmp_path, [3.0, math.nan], [1.0, math.nan])
+    choices = check_agreement_and_replicas(results)
+    assert all(choice in ("twobit:0.5", "topk:0.01") for choice in choices.values()), choices
+
+
+def test_no_valid_link_time_anywhere_raises_the_same_error_on_every_rank(tmp_path):
+    results = ddp_workers.spawn(workers.auto_error_worker, 2, str(tmp_path), [math.nan, math.inf], [1.0, 1.0],
+                                STEPS, timeout_s=240, pg_timeout_s=30)
+    errors = [r.get("error") for r in results]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "no rank measured a valid link time" in errors[0]
+
+
 def test_very_fast_link_stays_dense_and_ranks_agree(tmp_path):
     results = run(tmp_path, [1e-7, 2e-7], [1.0, 0.5])
     choices = check_agreement_and_replicas(results)

@@ -179,26 +179,52 @@ def test_mode_needs_one_element_per_rank():
 
 def test_owner_residuals_load_transactionally_and_warn_when_dropped():
     from gradcomp.engine import Engine
+    from gradcomp.two_phase import owner_key
 
     engine = Engine(from_spec("topk:0.01"), FourRanks(), exchange="two_phase")
     saved = engine.state_dict()
     assert saved["owner_residuals"] == {}
-    good = dict(saved, owner_residuals={"two_phase:00:0/4": torch.ones(3)})
+    mine = owner_key(("w",), 4, 0)  # rank 0 of 4 owns chunk 0
+    good = dict(saved, owner_residuals={mine: torch.ones(3)})
     engine.load_state_dict(good)
-    assert torch.equal(engine.state_dict()["owner_residuals"]["two_phase:00:0/4"], torch.ones(3))
-    for bad in ({"weight": torch.ones(3)}, {"two_phase:00:0/4": torch.tensor([float("nan")])}):
+    assert torch.equal(engine.state_dict()["owner_residuals"][mine], torch.ones(3))
+    bad_entries = (
+        {"weight": torch.ones(3)},  # no two-phase exchange wrote it
+        {mine: torch.tensor([float("nan")])},
+        {mine: torch.tensor([1e300], dtype=torch.float64)},  # finite, but not in float32
+        {owner_key(("w",), 4, 1): torch.ones(3)},  # another rank's chunk
+        {owner_key(("w",), 2, 0): torch.ones(3)},  # keyed for another world size
+        {mine: torch.ones(4)},  # not the size of the chunk this engine holds
+    )
+    for bad in bad_entries:
         with pytest.raises(ValueError):
             engine.load_state_dict(dict(saved, owner_residuals=bad))
-        assert torch.equal(engine.state_dict()["owner_residuals"]["two_phase:00:0/4"], torch.ones(3))
+        assert torch.equal(engine.state_dict()["owner_residuals"][mine], torch.ones(3))
     plain = Engine(from_spec("topk:0.01"), FourRanks())
     with pytest.warns(UserWarning, match="second-stage"):
         plain.load_state_dict(good)
     assert "owner_residuals" not in plain.state_dict()
 
 
+def test_a_loaded_owner_residual_of_another_size_is_dropped_at_first_use_and_stale_ones_at_a_rebuild():
+    from gradcomp.two_phase import TwoPhaseExchange, owner_key
+
+    exchange = TwoPhaseExchange()
+    old, new = owner_key(("a", "b"), 4, 0), owner_key(("b", "a"), 4, 0)
+    exchange.prepare_load({old: torch.ones(5)}, 4, 0)()
+    with pytest.warns(UserWarning, match="dropped"):
+        exchange._note_group(old, ("a", "b"), 7)  # the chunk has 7 elements: the residual cannot be it
+    assert exchange.state_dict() == {}
+    exchange.owner_memory.buffers([old], [7], "cpu")
+    exchange.owner_memory.commit([old])
+    assert list(exchange.state_dict()) == [old]
+    exchange._note_group(new, ("b", "a"), 7)  # DDP rebuilt its buckets: the old group's residual is stale
+    assert exchange.state_dict() == {}
+
+
 def test_ranks_with_different_exchanges_fail_before_exchanging(tmp_path):
     results = ddp_workers.spawn(workers.mismatch_worker, 2, str(tmp_path), "topk:0.05", timeout_s=240)
     for result in results:
-        assert result["error"] is not None and "ranks disagree on compressor" in result["error"], result
+        assert result["error"] is not None and "ranks disagree on exchange" in result["error"], result
         assert result["handed"] == []
-    assert "'topk:0.05 exchange=two_phase'" in results[0]["error"]  # each rank names its own setting
+    assert "rank 0 has 'two_phase'" in results[0]["error"]  # each rank names its own setting

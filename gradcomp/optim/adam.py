@@ -131,6 +131,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_frozen_state()  # before any parameter moves: a step is all or nothing
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
@@ -161,6 +162,55 @@ class CompressedAdamW(torch.optim.Optimizer):
                 param.addcdiv_(exp_avg, denom, value=-lr / bias1)
             group["step"] = t
         return loss
+
+    def _check_frozen_state(self) -> None:
+        """Raise ``RuntimeError`` if a parameter that a frozen group would update has no ``denom``."""
+        for index, group in enumerate(self.param_groups):
+            if not self.frozen(group):
+                continue
+            for param in group["params"]:
+                if param.grad is not None and "denom" not in self.state.get(param, {}):
+                    raise RuntimeError(
+                        f"CompressedAdamW: param group {index} is past its freeze_step ({group['freeze_step']}) but "
+                        "a parameter has no frozen denominator ('denom'); load a state_dict saved by "
+                        "CompressedAdamW after the freeze, or start before freeze_step. No parameter was updated.")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch's optimizer state dict after checking it fits (raises ``ValueError``, changing
+        nothing): each parameter's ``exp_avg`` and ``exp_avg_sq`` (and ``denom`` in groups past
+        their ``freeze_step``) present, of the parameter's size and finite in float32."""
+        self.check_state_dict(state_dict)
+        super().load_state_dict(state_dict)
+
+    def check_state_dict(self, state_dict: dict) -> None:
+        """The checks of :meth:`load_state_dict`, without loading; raises ``ValueError``."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError("expected the dict from CompressedAdamW.state_dict() (with 'state' and 'param_groups')")
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"the state has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        for index, (saved, live) in enumerate(zip(groups, self.param_groups)):
+            if len(saved.get("params", ())) != len(live["params"]):
+                raise ValueError(f"param group {index} of the state has {len(saved.get('params', ()))} parameters, "
+                                 f"this optimizer's {len(live['params'])}")
+            step, freeze_step = saved.get("step", 0), saved.get("freeze_step", live["freeze_step"])
+            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= 2**62:
+                raise ValueError(f"param group {index}: 'step' must be an integer in [0, 2**62], got {step!r}")
+            required = ("exp_avg", "exp_avg_sq") + (("denom",) if step >= freeze_step else ())
+            for key, param in zip(saved["params"], live["params"]):
+                entry = state.get(key)
+                if entry is None:
+                    if step >= freeze_step:
+                        raise ValueError(f"param group {index} is past its freeze_step but parameter {key} has no "
+                                         "state; the checkpoint is incomplete")
+                    continue
+                for name in required:
+                    value = entry.get(name)
+                    if not isinstance(value, torch.Tensor) or value.numel() != param.numel():
+                        raise ValueError(f"parameter {key} of param group {index} lacks a '{name}' of "
+                                         f"{param.numel()} elements; the checkpoint is incomplete or of another model")
+                    if not bool(torch.isfinite(value.detach().to(torch.float32)).all()):
+                        raise ValueError(f"'{name}' of parameter {key} is not finite; the checkpoint is corrupt")
 
     @staticmethod
     def _freeze(sqrt_v: torch.Tensor, floor: float, eps: float) -> torch.Tensor:
@@ -225,6 +275,15 @@ class _MomentumTransform:
 
     def commit(self, keys, accept: Union[bool, torch.Tensor] = True) -> None:
         pass
+
+    def settings(self) -> dict:
+        """Every setting of the optimizer that changes how replicas move, one entry per argument of
+        ``CompressedAdamW.__init__`` (the cross-rank check hashes them; ``lr``, ``betas``, ``eps``,
+        ``weight_decay``, ``freeze_step``, ``variance_floor`` and ``units`` per param group)."""
+        from gradcomp.optim.dgc import optimizer_settings
+
+        return {"param_groups": optimizer_settings(self.optimizer),
+                "named_parameters": tuple((name, p.numel()) for name, p in self.optimizer.names.items())}
 
     def state_dict(self) -> dict:
         group = self.optimizer.param_groups[0]

@@ -39,7 +39,7 @@ import torch
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.optim.names import unwrapped
 
-__all__ = ["DGC"]
+__all__ = ["DGC", "optimizer_settings"]
 
 
 def _check_momentum_free(optimizer) -> None:
@@ -56,6 +56,24 @@ def _check_momentum_free(optimizer) -> None:
                 f"momentum={group['momentum']}; create it with momentum=0 (e.g. torch.optim.SGD(params, "
                 "lr=..., momentum=0.0)) and give the momentum to DGC(momentum=...)"
             )
+
+
+def _plain(value):
+    """``value`` as plain, repr-stable Python (tensors become numbers or tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else tuple(value.reshape(-1).tolist())
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def optimizer_settings(optimizer) -> Optional[Tuple[Tuple[Tuple[str, object], ...], ...]]:
+    """Each param group's hyperparameters (all but ``params``), sorted, as plain values; ``None``
+    without an optimizer. Ranks whose optimizers differ would move their replicas apart."""
+    if optimizer is None:
+        return None
+    return tuple(tuple(sorted((k, _plain(v)) for k, v in group.items() if k not in ("params", "step")))
+                 for group in optimizer.param_groups)
 
 
 class DGC:
@@ -187,7 +205,9 @@ class DGC:
             lr_now = lrs.get(id(param)) if param is not None else None
             lr_prev = self._lr.get(key)
             if lr_now is not None:
-                if lr_prev is not None and lr_now > 0 and lr_prev != lr_now:
+                # From or to a learning rate of 0 there is no ratio to keep: a factor of 0 would
+                # erase the velocity, an infinite one blow it up.
+                if lr_prev is not None and lr_now > 0 and lr_prev > 0 and lr_prev != lr_now:
                     factor = lr_prev / lr_now
                     if math.isfinite(factor):
                         current[offset: offset + n].mul_(factor)
@@ -198,36 +218,72 @@ class DGC:
             offset += n
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def settings(self) -> dict:
+    def _recipe(self) -> dict:
+        """The settings a checkpoint must have been saved with (the learning rate may change)."""
         return {"momentum": self.momentum, "masking": self.masking, "rescale_on_lr_change": self.rescale_on_lr_change,
                 "weight_decay": self.weight_decay}
+
+    def settings(self) -> dict:
+        """Every setting that changes how a replica moves, as plain values, one entry per argument of
+        ``__init__`` (the cross-rank check hashes them): the recipe, the parameters' names and sizes,
+        whether residuals are rescaled with the velocity, and the optimizer's param-group
+        hyperparameters (a different learning rate makes replicas diverge)."""
+        return {**self._recipe(), "optimizer": optimizer_settings(self.optimizer),
+                "residual_memory": self.residual_memory is not None,
+                "named_parameters": tuple((name, p.numel()) for name, p in self._params.items())}
 
     def state_dict(self) -> dict:
         """``{"settings": {...}, "velocity": {name: float32 tensor}, "lr": {name: float}}``, on CPU."""
         return {
-            "settings": self.settings(),
+            "settings": self._recipe(),
             "velocity": self.velocity.state_dict()["residuals"],
             "lr": dict(self._lr),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore :meth:`state_dict`; raises ``ValueError`` (changing nothing) if it does not fit."""
+        self.prepare_load(state_dict)()
+
+    def prepare_load(self, state_dict: dict):
+        """Validate :meth:`state_dict`'s output and return the function that assigns it (which does
+        not fail): the settings, a velocity for parameters of this model only, each of its
+        parameter's size and finite in float32, the learning rates finite numbers. Raises
+        ``ValueError``; changes nothing."""
+        from gradcomp.checkpoint import check_float_vector
+
         if not isinstance(state_dict, dict) or not {"settings", "velocity"} <= set(state_dict):
             raise ValueError("expected the dict from DGC.state_dict() (with 'settings' and 'velocity')")
-        if state_dict["settings"] != self.settings():
+        unknown = sorted(set(state_dict) - {"settings", "velocity", "lr"})
+        if unknown:
+            raise ValueError(f"the DGC state has keys {unknown} that DGC.state_dict() does not write")
+        if state_dict["settings"] != self._recipe():
             raise ValueError(f"the checkpoint's DGC settings {state_dict['settings']} differ from this run's "
-                             f"{self.settings()}")
-        for name, value in state_dict["velocity"].items():
+                             f"{self._recipe()}")
+        velocity = state_dict["velocity"]
+        if not isinstance(velocity, dict):
+            raise ValueError(f"the DGC 'velocity' must be a dict of name -> tensor, got {type(velocity).__name__}")
+        for name, value in velocity.items():
             if name not in self._params:
                 raise ValueError(f"the checkpoint has a velocity for {name!r}, which is no parameter of this model")
-            if not isinstance(value, torch.Tensor) or value.numel() != self._params[name].numel():
+            check_float_vector(value, f"the velocity of {name!r}")
+            if value.numel() != self._params[name].numel():
                 raise ValueError(f"the velocity of {name!r} does not match its parameter's size")
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"the velocity of {name!r} is not finite; the checkpoint is corrupt")
-        lr = {k: float(v) for k, v in state_dict.get("lr", {}).items()}
-        self.velocity.load_state_dict({"residuals": dict(state_dict["velocity"])})
-        self._pending.clear()
-        self._lr = lr
+        saved_lr = state_dict.get("lr", {})
+        if not isinstance(saved_lr, dict):
+            raise ValueError(f"the DGC 'lr' must be a dict of name -> float, got {type(saved_lr).__name__}")
+        lr = {}
+        for name, value in saved_lr.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"the learning rate of {name!r} in the DGC state must be a finite number >= 0, "
+                                 f"got {value!r}")
+            lr[name] = float(value)
+
+        def assign() -> None:
+            self.velocity.load_state_dict({"residuals": dict(velocity)})
+            self._pending.clear()
+            self._lr = lr
+
+        return assign
 
     def __repr__(self) -> str:
         return f"DGC(momentum={self.momentum}, masking={self.masking})"

@@ -30,6 +30,7 @@ from typing import Dict, Hashable, Iterable, Tuple, Union
 
 import torch
 
+from gradcomp.optim.dgc import optimizer_settings
 from gradcomp.optim.names import unwrapped
 
 __all__ = ["FrozenVarianceAdam"]
@@ -184,16 +185,24 @@ class FrozenVarianceAdam:
                 param.grad = None
 
     # -- settings and checkpoints (the numbers live in the optimizer's own state_dict) ----------
-    def settings(self) -> dict:
+    def _recipe(self) -> dict:
+        """The settings a checkpoint must have been saved with (the learning rate may change)."""
         return {"freeze_step": self.freeze_step, "units": self.units, "variance_floor": self.variance_floor}
 
+    def settings(self) -> dict:
+        """Every setting that changes how a replica moves, one entry per argument of ``__init__``
+        (the cross-rank check hashes them), the optimizer's param-group hyperparameters included."""
+        return {**self._recipe(), "optimizer": optimizer_settings(self.optimizer),
+                "named_parameters": tuple((name, p.numel()) for name, p in self.names.items()),
+                "step_hook": self._hook is not None}
+
     def state_dict(self) -> dict:
-        return self.settings()
+        return self._recipe()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if state_dict != self.settings():
+        if state_dict != self._recipe():
             raise ValueError(f"the checkpoint's FrozenVarianceAdam settings {state_dict} differ from this run's "
-                             f"{self.settings()}")
+                             f"{self._recipe()}")
 
     def __repr__(self) -> str:
         return f"FrozenVarianceAdam({type(self.optimizer).__name__}, {self.settings()})"

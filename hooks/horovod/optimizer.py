@@ -169,10 +169,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict, unknown_residuals: str = "raise"):
-        """Validate gradcomp's part, load the wrapped optimizer's, then assign gradcomp's: a
-        rejected checkpoint changes nothing of gradcomp's state."""
+        """Validate gradcomp's part and the wrapped optimizer's, then load both: a rejected
+        checkpoint changes neither. gradcomp's part is validated whole before anything is assigned
+        (its assignment cannot fail); the wrapped optimizer's load checks its groups before it
+        changes anything (torch's), and one with ``check_state_dict`` (``CompressedAdamW``) is
+        checked first as well."""
         state_dict = dict(state_dict)
         compression_state = state_dict.pop("gradcomp", None)
+        check = getattr(super(self.__class__, self), "check_state_dict", None)
+        if callable(check):
+            check(state_dict)
         assign = None if compression_state is None else self._prepare_load(compression_state, unknown_residuals)
         super(self.__class__, self).load_state_dict(state_dict)
         self._handles, self._synchronized, self._should_synchronize = {}, False, True
