@@ -9,6 +9,7 @@ CI builds it (scripts/build_horovod.sh).
 """
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import torch
 
 import gradcomp
 import horovod_worker as worker
+from gradcomp.telemetry import MODES
 
 try:
     import horovod
@@ -351,6 +353,29 @@ def test_horovod_and_ddp_report_stats_of_one_shape(ranks):
     assert stats["horovod"]["agreement"]["collectives"] >= 1 and stats["ddp"]["agreement"]["collectives"] >= 1
 
 
+@pytest.mark.parametrize(
+    "name,expected", [("topk", r"compression=TopK\(density=0\.01\)\)$"), ("fp16", r"Compression\.wrap\(FP16\(\)\)")]
+)
+def test_horovods_own_optimizer_refuses_a_gradcomp_compressor_and_names_the_right_call(ranks, name, expected):
+    for rank in ranks:
+        kind, message = rank["refused"][name]
+        assert kind == "TypeError", message
+        assert "hvd.DistributedOptimizer(compression=...)" in message
+        assert "gradcomp.hooks.horovod.DistributedOptimizer(opt, named_parameters=model.named_parameters()" in message
+        assert re.search(expected, message), message
+
+
+@pytest.mark.parametrize("name,mode", [("two_phase", "two_phase"), ("auto", None)])
+def test_dropin_takes_exchange_and_policy_as_the_ddp_hook_does(ranks, name, mode):
+    first, second = (r["exchange_and_policy"][name] for r in ranks)
+    for param in first["params"]:
+        assert bitwise_equal(first["params"][param], second["params"][param]), f"{name}: {param} differs"
+    assert all(torch.isfinite(torch.tensor(first["losses"])))
+    assert first["modes"] == second["modes"] and set(first["modes"]) <= set(MODES), first["modes"]
+    if mode is not None:  # groups with fewer elements than ranks fall back to allgather
+        assert mode in first["modes"] and set(first["modes"]) <= {mode, "allgather"}, first["modes"]
+
+
 # -- in-process: the compression protocol and argument checks -----------------------------
 @pytest.mark.parametrize("compressor", [gradcomp.TopK(0.01), gradcomp.TwoBit(0.5)])
 def test_wrapping_a_non_summable_compressor_says_what_to_use(compressor):
@@ -390,7 +415,7 @@ def test_dropin_argument_errors_say_how_to_fix_them():
     sgd = worker.make_sgd(model)
     with pytest.raises(ValueError, match="named_parameters=model.named_parameters()"):
         gc_hvd.DistributedOptimizer(sgd, compression=gradcomp.TopK(0.01))
-    with pytest.raises(ValueError, match=r"op=hvd\.Average"):
+    with pytest.raises(ValueError, match=r"^op=hvd\.Adasum cannot combine.*op=hvd\.Average"):
         gc_hvd.DistributedOptimizer(sgd, model.named_parameters(), gradcomp.TwoBit(0.5), op=hvd.Adasum)
     with pytest.raises(TypeError, match="instance"):
         gc_hvd.DistributedOptimizer(sgd, model.named_parameters(), gradcomp.TopK)
