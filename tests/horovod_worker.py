@@ -318,8 +318,6 @@ def scenario_cross_path(rank, hvd):
     """One checkpoint format on both paths: the Horovod optimizer's gradcomp state loads into a
     DDP hook's state (over torch.distributed Gloo beside Horovod, same ranks) and back, through
     torch.save/torch.load(weights_only=True); both report stats() of one shape."""
-    import socket
-
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -331,11 +329,9 @@ def scenario_cross_path(rank, hvd):
         buffer.seek(0)
         return torch.load(buffer, weights_only=True)
 
-    port = None
-    if rank == 0:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+    from multiprocess import free_port
+
+    port = free_port() if rank == 0 else None
     port = hvd.broadcast_object(port, root_rank=0, name="gradcomp.test.port")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:

@@ -10,7 +10,6 @@ CI builds it (scripts/build_horovod.sh).
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import torch
 
 import gradcomp
 import horovod_worker as worker
+import multiprocess
 from gradcomp.telemetry import MODES
 
 try:
@@ -46,31 +46,13 @@ def require_horovod():
         )
 
 
-def horovodrun() -> str:
-    beside_python = Path(sys.executable).parent / "horovodrun"
-    return str(beside_python) if beside_python.exists() else "horovodrun"
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' results from one horovodrun job."""
     if HOROVOD_ERROR is not None:
         pytest.fail(f"Horovod is not importable ({HOROVOD_ERROR}); build it with scripts/build_horovod.sh")
     out = tmp_path_factory.mktemp("horovod")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), str(REPO), env.get("PYTHONPATH")]))
-    command = [horovodrun(), "-np", str(worker.WORLD_SIZE), "--gloo", "-H", f"localhost:{worker.WORLD_SIZE}",
-               sys.executable, str(REPO / "tests" / "horovod_worker.py"), str(out)]  # fmt: skip
-    # A session of its own, so that a timeout can end horovodrun and every rank it started.
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"horovodrun did not finish in {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"horovodrun exited with {proc.returncode}:\n{output[-4000:]}"
+    multiprocess.horovodrun(REPO / "tests" / "horovod_worker.py", [str(out)], worker.WORLD_SIZE, LAUNCH_TIMEOUT_S)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(worker.WORLD_SIZE)]
 
 

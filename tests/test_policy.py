@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import ddp_workers
+import multiprocess
 import policy_workers as workers
 from gradcomp import costmodel
 from gradcomp.policy import Auto
@@ -16,7 +16,7 @@ STEPS = 5
 
 
 def run(tmp_path, link_s_by_rank, kernel_scale_by_rank):
-    return ddp_workers.spawn(workers.auto_worker, 2, str(tmp_path), link_s_by_rank, kernel_scale_by_rank, STEPS,
+    return multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), link_s_by_rank, kernel_scale_by_rank, STEPS,
                              timeout_s=240)
 
 
@@ -57,7 +57,7 @@ def test_very_fast_link_stays_dense_and_ranks_agree(tmp_path):
 def test_a_link_that_changes_is_measured_and_decided_again(tmp_path):
     # Warm-up measures a very slow link (compression); the exchanges afterwards take ~nothing, so at the
     # check after 2 compressed steps the link is rescaled and every group goes dense.
-    results = ddp_workers.spawn(workers.auto_worker, 2, str(tmp_path), "drift", None, 7, 2, timeout_s=240)
+    results = multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), "drift", None, 7, 2, timeout_s=240)
     choices = check_agreement_and_replicas(results)
     assert set(choices.values()) == {"dense"}, choices
     modes = results[0]["modes"]
