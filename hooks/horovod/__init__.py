@@ -11,9 +11,8 @@ Split as Horovod itself is (``horovod/torch/compression.py`` beside ``optimizer.
 * :mod:`.optimizer` -- :func:`DistributedOptimizer`, a drop-in for ``hvd.DistributedOptimizer``
   with the same arguments (plus the engine's, as on the DDP hook: ``warmup_steps``, ``min_numel``,
   ``error_feedback``, ``backend``, ``schedule``, ``transform``, ``exchange``, ``policy``) that also
-  takes the compressors
-  whose payloads cannot be summed (``TopK``, ``TwoBit``), through :class:`gradcomp.engine.Engine`
-  as the DDP hook does: one telemetry (``opt.stats()``), one checkpoint format
+  takes the compressors whose payloads cannot be summed (``TopK``, ``TwoBit``), through
+  :class:`gradcomp.engine.Engine` as the DDP hook does: one telemetry (``opt.stats()``), one checkpoint format
   (``opt.state_dict()["gradcomp"]`` loads into the DDP hook's state and back)::
 
       >>> opt = gradcomp.hooks.horovod.DistributedOptimizer(
