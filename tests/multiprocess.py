@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -138,3 +139,19 @@ def horovodrun(script: Path, args: List[str], world_size: int = 2, timeout_s: fl
         raise AssertionError(f"horovodrun did not finish in {timeout_s} s:\n{output[-4000:]}") from None
     assert proc.returncode == 0, f"horovodrun exited with {proc.returncode}:\n{output[-4000:]}"
     return output
+
+
+def slow_except(cases, quick) -> list:
+    """``cases`` for ``pytest.mark.parametrize``, with every case not in ``quick`` marked ``slow``.
+
+    Multi-process cases cost seconds each; the quick selection (``-m "not slow"``) keeps the
+    ``quick`` ones, chosen so that each code path still runs once.
+    """
+    quick = list(quick)
+    missing = [case for case in quick if case not in cases]
+    assert not missing, f"quick cases {missing} are not among the cases"
+    return [case if case in quick else pytest.param(*_as_tuple(case), marks=pytest.mark.slow) for case in cases]
+
+
+def _as_tuple(case) -> tuple:
+    return case if isinstance(case, tuple) else (case,)

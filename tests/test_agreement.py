@@ -6,6 +6,8 @@ import reliability_workers as rw
 from gradcomp import Auto
 from multiprocess import spawn
 
+pytestmark = pytest.mark.multiprocess
+
 BASE = {"warmup_steps": 0, "min_numel": 0}
 CASES = [
     # (label, rank 0 (spec, kwargs), rank 1 (spec, kwargs), the setting named in the error)

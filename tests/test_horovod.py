@@ -33,6 +33,7 @@ try:
 except ImportError as error:  # reported by the fixture below as a failure, not a skip
     HOROVOD_ERROR = error
 
+pytestmark = [pytest.mark.horovod, pytest.mark.multiprocess]
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT_S = 300
 

@@ -13,7 +13,7 @@ import multiprocess
 import readme_worker
 from readme_worker import python_blocks
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = pytest.mark.multiprocess
 
 WORLD_SIZE = 2
 BLOCKS = python_blocks()
@@ -40,7 +40,11 @@ def test_the_readme_has_blocks_of_both_kinds():
     assert kinds == {"ddp", "horovod"}, kinds
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda block: block.name)
+# The Horovod blocks' job is slow; test_horovod.py covers the same calls in the quick selection.
+CASES = [pytest.param(b, marks=[pytest.mark.horovod, pytest.mark.slow]) if b.kind == "horovod" else b for b in BLOCKS]
+
+
+@pytest.mark.parametrize("block", CASES, ids=lambda block: block.name)
 def test_readme_block_runs_as_written(block, request):
     reason = block.opt_out_reason
     if reason is not None:
