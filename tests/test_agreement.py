@@ -3,9 +3,11 @@ exchanged, instead of a Gloo abort, a segfault, a hang or a silent divergence. R
 import pytest
 
 import reliability_workers as rw
-from ddp_workers import spawn
 from gradcomp import Auto
 from gradcomp.agreement import AGREEMENT_FIELDS
+from multiprocess import spawn
+
+pytestmark = pytest.mark.multiprocess
 
 BASE = {"warmup_steps": 0, "min_numel": 0}
 CASES = [

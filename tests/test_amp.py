@@ -3,13 +3,13 @@ loss scale grows and backs off trains exactly as the unscaled run does (2 real G
 import torch
 
 import amp_workers as workers
-import ddp_workers
+import multiprocess
 
 
 def spawn(tmp_path, name, *args):
     out = tmp_path / name
     out.mkdir()
-    return ddp_workers.spawn(workers.train_worker, 2, str(out), *args)
+    return multiprocess.spawn(workers.train_worker, 2, str(out), *args)
 
 
 def test_a_growing_loss_scale_trains_bitwise_like_fp32_with_the_recipe(tmp_path):

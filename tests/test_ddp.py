@@ -9,6 +9,7 @@ import torch
 
 import ddp_workers as workers
 import gradcomp
+import multiprocess
 from gradcomp.hooks import ddp as gc_ddp
 
 
@@ -89,7 +90,7 @@ def assert_grads_equal(recorded, simulated):
 # -- tests ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_identity_hook_gives_the_same_gradients_as_ddp_without_hook(tmp_path, world_size):
-    results = workers.spawn(workers.identity_vs_builtin, world_size, str(tmp_path), 5)
+    results = multiprocess.spawn(workers.identity_vs_builtin, world_size, str(tmp_path), 5)
     for result in results:
         assert_grads_equal(result["identity"], result["builtin"])
 
@@ -108,7 +109,7 @@ CASES = [
 def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp_path, spec, world_size, warmup,
                                                                              granularity):
     steps = 20
-    results = workers.spawn(
+    results = multiprocess.spawn(
         workers.train_and_record, world_size, str(tmp_path), spec, steps, "mlp",
         {"warmup_steps": warmup, "min_numel": 0, "granularity": granularity},
     )  # fmt: skip
@@ -123,7 +124,7 @@ def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp
 def test_residuals_follow_their_parameters_across_the_bucket_rebuild(tmp_path):
     # Compression from step 0, so residuals exist before DDP rebuilds its buckets.
     spec, steps = ("twobit", 0.02), 6
-    results = workers.spawn(
+    results = multiprocess.spawn(
         workers.train_and_record, 2, str(tmp_path), spec, steps, "shuffled",
         {"warmup_steps": 0, "min_numel": 0}, {"bucket_cap_mb": 0.001},
     )
@@ -135,13 +136,13 @@ def test_residuals_follow_their_parameters_across_the_bucket_rebuild(tmp_path):
 
 
 def test_error_feedback_keeps_topk_within_5_percent_of_dense_and_beats_no_feedback(tmp_path):
-    loss = workers.spawn(workers.convergence, 2, str(tmp_path), 200, 0.01, 0.1)[0]
+    loss = multiprocess.spawn(workers.convergence, 2, str(tmp_path), 200, 0.01, 0.1)[0]
     assert loss["topk_ef"] <= 1.05 * loss["dense"], loss
     assert loss["topk_no_ef"] > 1.5 * loss["topk_ef"], loss
 
 
 def test_stats_report_exactly_the_bytes_handed_to_the_collectives(tmp_path):
-    results = workers.spawn(workers.count_collective_bytes, 2, str(tmp_path), 4)
+    results = multiprocess.spawn(workers.count_collective_bytes, 2, str(tmp_path), 4)
     for result in results:
         assert [r["bytes_sent"] for r in result["reported"]] == result["handed"]
         assert result["total"] == sum(result["handed"])
@@ -200,8 +201,8 @@ def test_hook_uses_numba_automatically_on_cpu_and_matches_the_torch_backend(tmp_
     monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)
     (tmp_path / "auto").mkdir(), (tmp_path / "torch").mkdir()
     kwargs = {"warmup_steps": 0, "min_numel": 0}
-    auto = workers.spawn(workers.train_and_record, 2, str(tmp_path / "auto"), spec, 6, "mlp", kwargs)
-    reference = workers.spawn(
+    auto = multiprocess.spawn(workers.train_and_record, 2, str(tmp_path / "auto"), spec, 6, "mlp", kwargs)
+    reference = multiprocess.spawn(
         workers.train_and_record, 2, str(tmp_path / "torch"), spec, 6, "mlp", {**kwargs, "backend": "torch"}
     )
     assert {b["backend"] for b in auto[0]["stats"]["last_step"]["groups"].values()} == {"numba"}

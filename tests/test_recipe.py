@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-import ddp_workers
 import gradcomp
+import multiprocess
 import recipe_workers as workers
 from gradcomp.optim import DGC, CompressedAdamW, FrozenVarianceAdam
 from gradcomp.recipe import lr_peak_step, plan
@@ -24,7 +24,7 @@ CASES = [("sgd", "topk:0.01", RAMP), ("sgd", "twobit:rms", DENSE_ONLY), ("adamw"
 
 def spawn(worker, out_dir, *args):
     out_dir.mkdir()
-    return ddp_workers.spawn(worker, 2, str(out_dir), *args)
+    return multiprocess.spawn(worker, 2, str(out_dir), *args)
 
 
 def assert_params_equal(a, b, what):
@@ -157,7 +157,7 @@ def test_frozen_variance_adam_is_compressed_adamw_on_a_users_adamw():
 
 
 def test_register_rejects_a_stage_that_does_not_know_the_models_names(tmp_path):
-    results = ddp_workers.spawn(_register_with_foreign_stage, 2, str(tmp_path))
+    results = multiprocess.spawn(_register_with_foreign_stage, 2, str(tmp_path))
     assert all("knows no parameter named" in r for r in results)
 
 

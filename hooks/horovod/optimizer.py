@@ -19,7 +19,15 @@ from horovod.torch.mpi_ops import Average, Sum, global_process_set
 from gradcomp.engine import Engine, Handle
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.hooks.horovod.compression import Compression, as_compressor
-from gradcomp.hooks.horovod.parameters import Unit, build_units, check_horovod_arguments, flatten, names_of, unflatten
+from gradcomp.hooks.horovod.parameters import (
+    Unit,
+    build_units,
+    check_horovod_arguments,
+    flatten,
+    names_of,
+    op_name,
+    unflatten,
+)
 from gradcomp.hooks.horovod.transport import HorovodTransport
 from gradcomp.recipe import plan
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_gradient_dtypes
@@ -214,13 +222,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set=global_process_set, warmup_steps: Optional[int] = None,
                          min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True, backend: Optional[str] = None,
-                         schedule=None, transform=None, total_steps: Optional[int] = None, scheduler=None,
+                         schedule=None, transform=None, exchange: str = "allgather", policy=None,
+                         total_steps: Optional[int] = None, scheduler=None,
                          min_compression: Optional[float] = None):  # fmt: skip
     """``hvd.DistributedOptimizer`` that also takes ``TopK`` and ``TwoBit``.
 
     The first ten arguments are Horovod's, with Horovod's meaning; ``compression`` is a gradcomp
-    compressor instance or a Horovod compression class. The rest are the engine's
-    (:class:`gradcomp.engine.Engine`; defaults in :mod:`gradcomp.settings`). Each parameter (or
+    compressor instance or a Horovod compression class. The rest are the engine's, with the same
+    meaning as on the DDP hook's :class:`~gradcomp.hooks.ddp.CompressionState`
+    (:class:`gradcomp.engine.Engine`; defaults in :mod:`gradcomp.settings`): ``exchange`` is
+    ``"allgather"`` or ``"two_phase"`` (:mod:`gradcomp.two_phase`, over ``hvd.alltoall``), and
+    ``policy`` a per-group choice of method such as :class:`gradcomp.Auto`. Each parameter (or
     group of ``groups``, compressed as one flat tensor) is compressed with error feedback keyed
     by its name once backward has run ``backward_passes_per_step`` times, its payload allgathered
     (summable payloads: allreduced), and ``synchronize()`` writes the rank-ordered float32
@@ -251,10 +263,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         compressor, schedule, transform = recipe.compressor, recipe.schedule, recipe.transform
     groups = check_horovod_arguments(num_groups, groups, backward_passes_per_step, op, gradient_predivide_factor)
     engine_settings = dict(warmup_steps=warmup_steps, min_numel=min_numel, error_feedback=error_feedback,
-                           backend=backend, schedule=schedule, transform=transform)
+                           backend=backend, schedule=schedule, transform=transform, exchange=exchange, policy=policy)
     if compressor is None or (op not in (Average, Sum) and compressor.summable):
         defaults = dict(warmup_steps=None, min_numel=DEFAULT_MIN_NUMEL, error_feedback=True, backend=None,
-                        schedule=None, transform=None)
+                        schedule=None, transform=None, exchange="allgather", policy=None)
         changed = sorted(k for k, v in engine_settings.items() if v is not defaults[k] and v != defaults[k])
         if changed:
             warnings.warn(f"gradcomp: {changed} have no effect when hvd.DistributedOptimizer does the exchange")
@@ -263,7 +275,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                                         op, gradient_predivide_factor, 0, groups, sparse_as_dense, process_set)
     if op not in (Average, Sum):
         raise ValueError(
-            f"op={op!r} cannot combine {compressor!r} payloads: each rank's payload is decoded and the "
+            f"op={op_name(op)} cannot combine {compressor!r} payloads: each rank's payload is decoded and the "
             "results are averaged (op=hvd.Average) or summed (op=hvd.Sum). Use one of those, or a "
             "summable compression with hvd.DistributedOptimizer for other ops.")
     if named_parameters is None and error_feedback and compressor.uses_error_feedback:
