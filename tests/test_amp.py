@@ -1,9 +1,12 @@
 """Mixed precision: with a real GradScaler the engine works in true-gradient units, so a run whose
 loss scale grows and backs off trains exactly as the unscaled run does (2 real Gloo ranks)."""
+import pytest
 import torch
 
 import amp_workers as workers
 import multiprocess
+
+pytestmark = pytest.mark.multiprocess
 
 
 def spawn(tmp_path, name, *args):

@@ -32,6 +32,7 @@ def assert_params_equal(a, b, what):
         assert torch.equal(b["params"][name], value), f"{what}: {name} differs"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind,spec,hand", CASES, ids=[f"{k}-{s}" for k, s, _ in CASES])
 def test_recipe_equals_the_hand_assembled_pieces_and_replicas_agree(tmp_path, kind, spec, hand):
     recipe = spawn(workers.train_worker, tmp_path / "recipe", kind, spec, "recipe")
@@ -48,6 +49,7 @@ def test_recipe_equals_the_hand_assembled_pieces_and_replicas_agree(tmp_path, ki
         assert recipe[0]["momentum"] == [0.0]  # the momentum moved into gradcomp
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind,spec,split", [("adamw", "topk:0.01", 3), ("adamw", "twobit:rms", 12),
                                              ("sgd", "topk:0.01", 15)],
                          ids=["adamw-before-freeze", "adamw-after-freeze", "sgd-mid-ramp"])
@@ -156,6 +158,7 @@ def test_frozen_variance_adam_is_compressed_adamw_on_a_users_adamw():
     assert math.isclose(float(user.state[named_b[0][1]]["step"]), 12)
 
 
+@pytest.mark.multiprocess
 def test_register_rejects_a_stage_that_does_not_know_the_models_names(tmp_path):
     results = multiprocess.spawn(_register_with_foreign_stage, 2, str(tmp_path))
     assert all("knows no parameter named" in r for r in results)
@@ -185,6 +188,8 @@ def test_an_early_freeze_is_warned_about():
         FrozenVarianceAdam(torch.optim.AdamW([p for _, p in named]), named, freeze_step=100)
 
 
+@pytest.mark.horovod
+@pytest.mark.multiprocess
 def test_ddp_and_horovod_give_the_same_result_for_the_same_settings(tmp_path):
     """The recipe through Horovod's drop-in optimizer (a unit per parameter) and through DDP (one
     bucket, compressed per parameter) exchange the same bytes, so they train to the same weights."""
