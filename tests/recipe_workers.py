@@ -58,11 +58,10 @@ class Run:
             return
         dense_steps, stage_steps, densities = hand
         compressor = gradcomp.from_spec(spec)
+        if kind == "sgd" and spec.startswith("twobit"):  # the recipe's stand-in: top-k at 2-bit's bytes
+            compressor = gradcomp.TopK(1 / 32)
         schedule = (SparsityRamp(dense_steps, stage_steps, densities) if densities else DenseWarmup(dense_steps))
-        if kind == "sgd" and spec.startswith("twobit"):  # 1-bit SGD's way: the momentum stays in SGD
-            self.optimizer = make_optimizer(kind, self.model)
-            transform = None
-        elif kind == "sgd":
+        if kind == "sgd":
             self.optimizer = make_optimizer(kind, self.model, momentum=0.0)
             self.optimizer.param_groups[0]["weight_decay"] = 0.0
             transform = DGC(named, momentum=0.9, optimizer=self.optimizer, masking=False,

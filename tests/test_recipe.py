@@ -18,7 +18,10 @@ from gradcomp.schedule import DenseWarmup, SparsityRamp
 # the budget allows (2x: 84 steps) but at most 3/4 of the 35 remaining steps in all (8 each).
 RAMP = (5, 8, (0.0625, 0.03125, 0.015625))
 DENSE_ONLY = (5, None, ())
-CASES = [("sgd", "topk:0.01", RAMP), ("sgd", "twobit:rms", DENSE_ONLY), ("adamw", "topk:0.01", RAMP),
+# 2-bit under SGD-momentum becomes top-k at 2-bit's bytes (1/32): one ramp stage, 1/16, as long as
+# 3/4 of the 35 remaining steps (the budget would allow 191).
+STAND_IN = (5, 26, (0.0625,))
+CASES = [("sgd", "topk:0.01", RAMP), ("sgd", "twobit:rms", STAND_IN), ("adamw", "topk:0.01", RAMP),
          ("adamw", "twobit:rms", DENSE_ONLY)]
 
 
@@ -116,7 +119,11 @@ def test_optimizer_stages_by_optimizer():
     assert chosen.transform.weight_decay == 1e-4 and chosen.transform.masking is False
     assert sgd.param_groups[0]["momentum"] == 0.0 and sgd.param_groups[0]["weight_decay"] == 0.0
     sgd2 = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    assert plan("twobit:rms", sgd2, 1000, None, named).transform is None and sgd2.param_groups[0]["momentum"] == 0.9
+    stand_in = plan("twobit:rms", sgd2, 1000, None, named)  # 2-bit does not converge under SGD-momentum
+    assert isinstance(stand_in.compressor, gradcomp.TopK) and stand_in.compressor.density == 1 / 32
+    assert isinstance(stand_in.transform, DGC) and sgd2.param_groups[0]["momentum"] == 0.0
+    plain_sgd = torch.optim.SGD(params, lr=0.1)
+    assert plan("twobit:rms", plain_sgd, 1000, None, named).compressor.spec == "twobit:rms"
     adam = torch.optim.Adam(params, lr=1e-3)
     chosen = plan("twobit:rms", adam, 1000, None, named)
     assert isinstance(chosen.transform, FrozenVarianceAdam) and chosen.transform.freeze_step == chosen.dense_steps
