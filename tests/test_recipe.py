@@ -77,7 +77,10 @@ def test_dense_start_follows_the_lr_warm_up_or_five_percent():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 101)  # the probe changed nothing
     assert plan("topk:0.01", None, 2000, warm, named).dense_steps == 100
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=2000)
-    assert plan("topk:0.01", None, 2000, cosine, named).dense_steps == 100  # 5% of 2000: no warm-up to cover
+    assert plan("topk:0.01", None, 2000, cosine, named).dense_steps == 2  # no warm-up to cover
+    adam = torch.optim.Adam([p for _, p in named], lr=1e-3)
+    adam_cosine = torch.optim.lr_scheduler.CosineAnnealingLR(adam, T_max=2000)
+    assert plan("topk:0.01", adam, 2000, adam_cosine, named).dense_steps == 100  # Adam's variance: 5%
     assert plan("topk:0.01", None, 600, None, named).dense_steps == 30
     assert plan("twobit:rms", None, 10, None, named).dense_steps == 2  # DDP's bucket rebuild at least
 
