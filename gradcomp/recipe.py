@@ -11,9 +11,8 @@ run states:
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
   of its peak learning rate, found by stepping a copy of it); at least ``DENSE_FRACTION`` of the
   run under Adam (whose variance is estimated then frozen) or when no scheduler is given; 2 steps
-  at least (DDP rebuilds its buckets after the first). Measured on charlm-small, SGD-momentum,
-  2000 steps: top-k 1% after 100 dense steps ended +7.3% above dense, from step 2 +1.5% -- dense
-  steps past the warm-up buy nothing there.
+  at least (DDP rebuilds its buckets after the first). DGC's momentum correction needs no
+  estimate, so under SGD the dense start ends with the warm-up.
 * **sparsity ramp** (top-k): densities ``1/16, 1/32, ...`` down to the final density, each stage
   as long as the byte budget allows (``min_compression`` x fewer bytes than dense over the whole
   run, warm-up included; the model's share of parameters sent dense is counted), over at least
