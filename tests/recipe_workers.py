@@ -64,7 +64,7 @@ class Run:
         if kind == "sgd":
             self.optimizer = make_optimizer(kind, self.model, momentum=0.0)
             self.optimizer.param_groups[0]["weight_decay"] = 0.0
-            transform = DGC(named, momentum=0.9, optimizer=self.optimizer, masking=False,
+            transform = DGC(named, momentum=0.9, optimizer=self.optimizer, masking=True,
                             weight_decay=WEIGHT_DECAY["sgd"])
         else:
             self.optimizer = make_optimizer(kind, self.model)
