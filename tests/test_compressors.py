@@ -229,5 +229,8 @@ def test_a_call_from_horovods_code_raises_a_type_error_naming_the_drop_in(compre
     caller = {"__name__": "horovod.torch.optimizer", "compression": compressor, "grad": grad}
     with pytest.raises(TypeError, match=r"gradcomp\.hooks\.horovod\.DistributedOptimizer\(opt, named_parameters="):
         exec("compression.compress(grad)", caller)
+    caller["compression"] = type(compressor)  # the class by mistake: Horovod passes the gradient as self
+    with pytest.raises(TypeError, match=rf"compression=gradcomp\.{type(compressor).__name__}\(\.\.\.\)\)$"):
+        exec("compression.compress(grad)", caller)
     # Any other caller gets a payload as before.
     assert compressor.compress(grad.view(-1)).nbytes == compressor.layout(32, torch.float32).nbytes
