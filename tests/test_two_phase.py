@@ -26,7 +26,7 @@ def ranks(world_size, spec, tmp_root):
                               timeout_s=240)
 
 
-@pytest.fixture(params=multiprocess.slow_except(CASES, quick=[(3, "topk:0.05")], one_name=True),
+@pytest.fixture(scope="module", params=multiprocess.slow_except(CASES, quick=[(3, "topk:0.05")], one_name=True),
                 ids=[f"P{p}-{s}" for p, s in CASES])
 def case(request, tmp_path_factory):
     world_size, spec = request.param
