@@ -141,17 +141,17 @@ def horovodrun(script: Path, args: List[str], world_size: int = 2, timeout_s: fl
     return output
 
 
-def slow_except(cases, quick) -> list:
+def slow_except(cases, quick, one_name: bool = False) -> list:
     """``cases`` for ``pytest.mark.parametrize``, with every case not in ``quick`` marked ``slow``.
 
     Multi-process cases cost seconds each; the quick selection (``-m "not slow"``) keeps the
-    ``quick`` ones, chosen so that each code path still runs once.
+    ``quick`` ones, chosen so that each code path still runs once. ``one_name``: the
+    parametrization has one argument name, so a tuple case is one value, not several.
     """
     quick = list(quick)
     missing = [case for case in quick if case not in cases]
     assert not missing, f"quick cases {missing} are not among the cases"
-    return [case if case in quick else pytest.param(*_as_tuple(case), marks=pytest.mark.slow) for case in cases]
-
-
-def _as_tuple(case) -> tuple:
-    return case if isinstance(case, tuple) else (case,)
+    slow = pytest.mark.slow
+    return [case if case in quick else
+            pytest.param(*(case if isinstance(case, tuple) and not one_name else (case,)), marks=slow)
+            for case in cases]  # fmt: skip

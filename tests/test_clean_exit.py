@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from multiprocess import free_port
 
 WORKER = os.path.join(os.path.dirname(__file__), "clean_exit_worker.py")
@@ -40,6 +42,8 @@ def _job(compressor: str, world_size: int = 2, timeout_s: float = 120.0):
     return results
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow  # 30 jobs; every other multi-process test also ends its ranks through the same exit path
 def test_ddp_job_on_numba_exits_cleanly_30_times_in_a_row():
     for run in range(RUNS):
         compressor = "topk" if run % 2 == 0 else "twobit"

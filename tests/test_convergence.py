@@ -12,6 +12,10 @@ FIELDS = {"workload", "optimizer", "method", "seed", "steps", "final_loss", "fin
           "dense_bytes_total", "time_to_dense_loss_s"}
 
 
+# One study of two ranks per method: minutes on two cores.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
 @pytest.fixture(scope="module")
 def quick_study(tmp_path_factory):
     out = tmp_path_factory.mktemp("convergence")

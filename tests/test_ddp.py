@@ -88,7 +88,8 @@ def assert_grads_equal(recorded, simulated):
 
 
 # -- tests ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", multiprocess.slow_except([2, 3], quick=[2]))
 def test_identity_hook_gives_the_same_gradients_as_ddp_without_hook(tmp_path, world_size):
     results = multiprocess.spawn(workers.identity_vs_builtin, world_size, str(tmp_path), 5)
     for result in results:
@@ -105,7 +106,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("spec,world_size,warmup,granularity", CASES, ids=lambda c: str(c))
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spec,world_size,warmup,granularity",
+                         multiprocess.slow_except(CASES, quick=[(("twobit", 0.02), 3, 0, "parameter")]),
+                         ids=lambda c: str(c))  # fmt: skip
 def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp_path, spec, world_size, warmup,
                                                                              granularity):
     steps = 20
@@ -121,6 +125,7 @@ def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp
     assert_grads_equal(results[0]["grads"], simulate(spec, steps, world_size, warmup, "mlp", granularity=granularity))
 
 
+@pytest.mark.multiprocess
 def test_residuals_follow_their_parameters_across_the_bucket_rebuild(tmp_path):
     # Compression from step 0, so residuals exist before DDP rebuilds its buckets.
     spec, steps = ("twobit", 0.02), 6
@@ -135,12 +140,15 @@ def test_residuals_follow_their_parameters_across_the_bucket_rebuild(tmp_path):
     assert_grads_equal(results[0]["grads"], simulate(spec, steps, 2, 0, "shuffled"))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_error_feedback_keeps_topk_within_5_percent_of_dense_and_beats_no_feedback(tmp_path):
     loss = multiprocess.spawn(workers.convergence, 2, str(tmp_path), 200, 0.01, 0.1)[0]
     assert loss["topk_ef"] <= 1.05 * loss["dense"], loss
     assert loss["topk_no_ef"] > 1.5 * loss["topk_ef"], loss
 
 
+@pytest.mark.multiprocess
 def test_stats_report_exactly_the_bytes_handed_to_the_collectives(tmp_path):
     results = multiprocess.spawn(workers.count_collective_bytes, 2, str(tmp_path), 4)
     for result in results:
@@ -196,7 +204,10 @@ def test_state_dict_without_parameter_names_says_how_to_fix_it():
         state.state_dict()
 
 
-@pytest.mark.parametrize("spec", [("twobit", 0.02), ("topk", 0.01)], ids=str)
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spec", multiprocess.slow_except([("twobit", 0.02), ("topk", 0.01)], quick=[("topk", 0.01)],
+                                                          one_name=True),
+                         ids=str)  # fmt: skip
 def test_hook_uses_numba_automatically_on_cpu_and_matches_the_torch_backend(tmp_path, monkeypatch, spec):
     monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)
     (tmp_path / "auto").mkdir(), (tmp_path / "torch").mkdir()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import multiprocess
 from experiments import catalog, compare, netem
 
 # An edit of the module search path, in any file (the pattern itself is not such an edit).
@@ -55,7 +56,8 @@ def _check_compressed_bytes(steps, method):
             assert step["bytes_sent"] < step["dense_bytes"] / 10
 
 
-@pytest.mark.parametrize("method", ["dense", "topk"])
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("method", multiprocess.slow_except(["dense", "topk"], quick=["topk"]))
 def test_train_charlm_tiny(tmp_path, method):
     events = run_train(tmp_path, *TINY_CHARLM, "--compressor", method, "--steps", "6", "--lr", "3e-3")
     (config,) = events["config"]
@@ -71,7 +73,8 @@ def test_train_charlm_tiny(tmp_path, method):
     assert events["summary"][0]["method"] == method
 
 
-@pytest.mark.parametrize("method", ["dense", "topk", "twobit"])
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("method", multiprocess.slow_except(["dense", "topk", "twobit"], quick=["twobit"]))
 def test_train_digits(tmp_path, method):
     events = run_train(tmp_path, "--workload", "digits", "--compressor", method, "--steps", "24", "--lr", "3e-3")
     losses = [s["loss"] for s in events["step"]]
@@ -85,6 +88,8 @@ def test_train_digits(tmp_path, method):
         assert threshold["step"] == 1 and 0 < threshold["threshold"] < 1
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_compare_tiny_writes_results_and_plots(tmp_path):
     out = tmp_path / "results"
     result = subprocess.run(
@@ -126,6 +131,7 @@ def test_compare_tiny_writes_results_and_plots(tmp_path):
         assert height > 200 and width > 200
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("module", ["compare", "train", "plots", "netem", "horovod_train"])
 def test_modules_run_with_dash_m_from_the_repository_root(module):
     result = subprocess.run(
@@ -149,6 +155,7 @@ def test_no_module_edits_the_import_path():
     assert not offenders, offenders
 
 
+@pytest.mark.multiprocess
 def test_train_help_lists_every_method_of_the_catalog():
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
@@ -157,6 +164,7 @@ def test_train_help_lists_every_method_of_the_catalog():
         assert f"  {method.name:12s} {method.description[:20]}" in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_bad_arguments_are_refused_before_any_rank_starts():
     for bad, message in [
         (["--threshold", "fast"], "--threshold must be"),
@@ -257,6 +265,7 @@ needs_root = pytest.mark.skipif(
 
 
 @needs_root
+@pytest.mark.multiprocess
 def test_shaped_namespace_is_created_and_always_removed():
     with pytest.raises(RuntimeError, match="inside"):
         with netem.link("200mbit") as link:
@@ -277,6 +286,7 @@ def test_shaped_namespace_is_created_and_always_removed():
 
 
 @needs_root
+@pytest.mark.multiprocess
 def test_stale_namespaces_of_dead_processes_are_cleaned():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)

@@ -14,8 +14,9 @@ from experiments import netem
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-pytestmark = pytest.mark.skipif(netem.shaping_unavailable_reason() is not None,
-                                reason=f"duplex emulation needs {netem.shaping_unavailable_reason()}")
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(netem.shaping_unavailable_reason() is not None,
+                                 reason=f"duplex emulation needs {netem.shaping_unavailable_reason()}")]
 
 
 def ours(prefix):

@@ -16,6 +16,7 @@ def assert_params_equal(a, b, what):
         assert torch.equal(a[name], b[name]), f"{what}: {name} differs by {(a[name] - b[name]).abs().max().item()}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["dgc", "adam"])
 def test_matches_independent_simulation_and_replicas_agree(kind, tmp_path):
     ranks = multiprocess.spawn(optim_workers.train_worker, 2, str(tmp_path), kind, STEPS)
@@ -29,7 +30,9 @@ def test_matches_independent_simulation_and_replicas_agree(kind, tmp_path):
         assert not torch.equal(unmasked["2.weight"], expected["2.weight"])
 
 
-@pytest.mark.parametrize("kind,split", [("dgc", 2), ("dgc", 5), ("adam", 3), ("adam", 4)])
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind,split", multiprocess.slow_except([("dgc", 2), ("dgc", 5), ("adam", 3), ("adam", 4)],
+                                                                 quick=[("adam", 3)]))
 def test_checkpoint_resume_is_bitwise(kind, split, tmp_path):
     """``split`` = 2 (DGC) / 3 (Adam): the first compressed step (and the freeze) after the resume;
     5 / 4: inside the ramp, with velocities, residuals and the frozen variance saved."""

@@ -17,7 +17,7 @@ STEPS = 5
 
 def run(tmp_path, link_s_by_rank, kernel_scale_by_rank):
     return multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), link_s_by_rank, kernel_scale_by_rank, STEPS,
-                             timeout_s=240)
+                              timeout_s=240)
 
 
 def check_agreement_and_replicas(results):
@@ -33,6 +33,7 @@ def check_agreement_and_replicas(results):
     return choices[0]
 
 
+@pytest.mark.multiprocess
 def test_very_slow_link_picks_compression_and_ranks_agree(tmp_path):
     # Ranks measure different link times (3 s and 5 s per bucket) and kernel times (x1, x3).
     results = run(tmp_path, [3.0, 5.0], [1.0, 3.0])
@@ -47,6 +48,7 @@ def test_very_slow_link_picks_compression_and_ranks_agree(tmp_path):
         assert decision["measured_s"] is not None and decision["measured_s"] >= 0
 
 
+@pytest.mark.multiprocess
 def test_a_nan_measurement_on_one_rank_is_dropped_by_every_rank(tmp_path):
     # Rank 1's clock gives NaN for every link and kernel time; rank 0's are valid. No rank raises
     # alone: the NaNs are shared as missing, and both ranks decide from rank 0's times.
@@ -55,6 +57,7 @@ def test_a_nan_measurement_on_one_rank_is_dropped_by_every_rank(tmp_path):
     assert all(choice in ("twobit:0.5", "topk:0.01") for choice in choices.values()), choices
 
 
+@pytest.mark.multiprocess
 def test_no_valid_link_time_anywhere_raises_the_same_error_on_every_rank(tmp_path):
     results = multiprocess.spawn(workers.auto_error_worker, 2, str(tmp_path), [math.nan, math.inf], [1.0, 1.0],
                                 STEPS, timeout_s=240, pg_timeout_s=30)
@@ -63,6 +66,7 @@ def test_no_valid_link_time_anywhere_raises_the_same_error_on_every_rank(tmp_pat
     assert "no rank measured a valid link time" in errors[0]
 
 
+@pytest.mark.multiprocess
 def test_very_fast_link_stays_dense_and_ranks_agree(tmp_path):
     results = run(tmp_path, [1e-7, 2e-7], [1.0, 0.5])
     choices = check_agreement_and_replicas(results)
@@ -70,6 +74,8 @@ def test_very_fast_link_stays_dense_and_ranks_agree(tmp_path):
     assert all(mode == "dense" for step in results[0]["modes"] for mode in step.values())
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_link_that_changes_is_measured_and_decided_again(tmp_path):
     # Warm-up measures a very slow link (compression); the exchanges afterwards take ~nothing, so at the
     # check after 2 compressed steps the link is rescaled and every group goes dense.

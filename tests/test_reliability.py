@@ -7,7 +7,7 @@ import torch
 
 import gradcomp
 import reliability_workers as rw
-from multiprocess import spawn
+from multiprocess import slow_except, spawn
 
 SPECS = [("topk", 0.01), ("twobit", 0.02)]
 
@@ -18,7 +18,8 @@ def assert_same(a, b, what):
         assert torch.equal(a[name], b[name]), f"{what}: {name} differs"
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spec", slow_except(SPECS, quick=[("topk", 0.01)], one_name=True), ids=str)
 def test_a_non_finite_step_on_one_rank_is_skipped_everywhere_and_forgotten(tmp_path, spec):
     with_bad = [(0, False), (1, False), (2, False), (3, True), (3, False), (4, False), (5, False)]
     clean = [(0, False), (1, False), (2, False), (3, False), (4, False), (5, False)]
@@ -33,9 +34,11 @@ def test_a_non_finite_step_on_one_rank_is_skipped_everywhere_and_forgotten(tmp_p
         assert_same(poisoned[rank]["params"], reference[rank]["params"], f"rank {rank} trajectory")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "spec,model_kind,ddp_kwargs",
-    [(("topk", 0.01), "mlp", {}), (("twobit", 0.02), "shuffled", {"bucket_cap_mb": 0.001})],
+    [(("topk", 0.01), "mlp", {}),
+     pytest.param(("twobit", 0.02), "shuffled", {"bucket_cap_mb": 0.001}, marks=pytest.mark.slow)],
     ids=["topk-one-bucket", "twobit-several-buckets"],
 )
 def test_resume_from_checkpoint_reproduces_the_uninterrupted_run_bitwise(tmp_path, spec, model_kind, ddp_kwargs):
@@ -57,7 +60,8 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_run_bitwise(tmp_pat
         assert all(torch.isfinite(p).all() for p in result["params"].values())
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dtype", slow_except([torch.float16, torch.bfloat16], quick=[torch.bfloat16]), ids=str)
 def test_half_and_bfloat16_gradients_keep_float32_residuals_for_every_compressor(tmp_path, dtype):
     specs = [("topk", 0.05), ("twobit", 0.02), ("identity", None), ("fp16", None)]
     results = spawn(rw.mixed_precision_run, 2, str(tmp_path), dtype, specs, 6)
@@ -71,6 +75,7 @@ def test_half_and_bfloat16_gradients_keep_float32_residuals_for_every_compressor
         assert first["losses"][-1] < first["losses"][0], f"{spec} did not learn: {first['losses']}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["no_sync", "static_graph", "unused"])
 def test_ddp_modes_no_sync_static_graph_and_unused_parameters(tmp_path, mode):
     specs = [None, ("identity", None), ("twobit", 0.02), ("topk", 0.05)]
@@ -86,6 +91,7 @@ def test_ddp_modes_no_sync_static_graph_and_unused_parameters(tmp_path, mode):
             assert "unused.weight" not in grads or torch.count_nonzero(grads["unused.weight"]) == 0
 
 
+@pytest.mark.multiprocess
 def test_a_dying_rank_makes_the_others_fail_with_a_clear_error_not_hang(tmp_path):
     results, codes = spawn(
         rw.dying_rank_run, 2, str(tmp_path), ("topk", 0.01), 3, pg_timeout_s=10, timeout_s=90, check=False
@@ -121,6 +127,7 @@ def test_tensors_smaller_than_k_send_everything(n):
     assert torch.equal(out + residual_out, grad)
 
 
+@pytest.mark.slow  # 12 GiB touched on one core: minutes
 def test_a_tensor_of_more_than_2_31_elements_uses_int64_indices_end_to_end():
     # One real tensor past int32's range (4 GiB of fp16, 8 GiB of fp32 output): the
     # index width, the offsets and the scatter back must all be 64-bit.

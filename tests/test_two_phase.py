@@ -23,10 +23,11 @@ CASES = [(3, "topk:0.05"), (4, "topk:0.05"), (3, "twobit:rms"), (4, "twobit:0.5"
 @functools.lru_cache(maxsize=None)
 def ranks(world_size, spec, tmp_root):
     return multiprocess.spawn(workers.engine_worker, world_size, tmp_root, spec, STEPS, SPLIT, NAN_AT, NAN_RANK,
-                             timeout_s=240)
+                              timeout_s=240)
 
 
-@pytest.fixture(params=CASES, ids=[f"P{p}-{s}" for p, s in CASES])
+@pytest.fixture(scope="module", params=multiprocess.slow_except(CASES, quick=[(3, "topk:0.05")], one_name=True),
+                ids=[f"P{p}-{s}" for p, s in CASES])
 def case(request, tmp_path_factory):
     world_size, spec = request.param
     root = tmp_path_factory.mktemp(f"p{world_size}_{spec.replace(':', '_')}")
@@ -76,6 +77,7 @@ def same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@pytest.mark.multiprocess
 def test_matches_simulation_and_replicas_agree(case):
     world_size, spec, results = case
     expected, first, second = simulate(world_size, spec, range(STEPS))
@@ -94,6 +96,7 @@ def test_matches_simulation_and_replicas_agree(case):
     assert torch.dot(expected[0], true_mean) > 0
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_resume_is_bitwise(case):
     _, _, results = case
     for result in results:
@@ -101,6 +104,7 @@ def test_checkpoint_resume_is_bitwise(case):
             assert same_bits(got, want)
 
 
+@pytest.mark.multiprocess
 def test_nan_on_one_rank_commits_nothing_anywhere(case):
     world_size, spec, results = case
     for rank, result in enumerate(results):
@@ -114,6 +118,7 @@ def test_nan_on_one_rank_commits_nothing_anywhere(case):
     assert all(same_bits(r["later"], expected[NAN_AT + 1]) for r in results)
 
 
+@pytest.mark.multiprocess
 def test_bytes_handed_to_collectives_equal_the_cost_model(case):
     world_size, spec, results = case
     compressor, n = from_spec(spec), sum(workers.NUMELS)
@@ -133,6 +138,7 @@ def test_bytes_handed_to_collectives_equal_the_cost_model(case):
               f"dense {4 * n} B")
 
 
+@pytest.mark.multiprocess
 def test_ddp_hook_replicas_agree():
     import tempfile
 
@@ -222,6 +228,7 @@ def test_a_loaded_owner_residual_of_another_size_is_dropped_at_first_use_and_sta
     assert exchange.state_dict() == {}
 
 
+@pytest.mark.multiprocess
 def test_ranks_with_different_exchanges_fail_before_exchanging(tmp_path):
     results = multiprocess.spawn(workers.mismatch_worker, 2, str(tmp_path), "topk:0.05", timeout_s=240)
     for result in results:

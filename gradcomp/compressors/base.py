@@ -26,17 +26,24 @@ def check_gradient(tensor: torch.Tensor) -> None:
         raise ValueError(f"expected a flat contiguous tensor, got shape {tuple(tensor.shape)}; pass tensor.view(-1)")
 
 
-def refused_by_horovod(compressor: "Compressor") -> TypeError:
-    """The error for a compressor given to Horovod's own ``hvd.DistributedOptimizer(compression=...)``."""
+def refused_by_horovod(compressor) -> TypeError:
+    """The error for a compressor (instance, or class by mistake) given to Horovod's own
+    ``hvd.DistributedOptimizer(compression=...)``."""
+    if isinstance(compressor, type):
+        compressor = f"gradcomp.{compressor.__name__}(...)"  # shown as the instance to pass
+        summable = False
+    else:
+        summable = compressor.summable
+        compressor = repr(compressor)
     # A summable payload fits Horovod's allreduce once wrapped as a Horovod compression class.
-    instead = f"compression=gradcomp.hooks.horovod.Compression.wrap({compressor!r}) with hvd's optimizer, or " \
-        if compressor.summable else ""
+    instead = f"compression=gradcomp.hooks.horovod.Compression.wrap({compressor}) with hvd's optimizer, or " \
+        if summable else ""
     return TypeError(
-        f"{compressor!r} was passed to Horovod's own hvd.DistributedOptimizer(compression=...), which "
+        f"{compressor} was passed to Horovod's own hvd.DistributedOptimizer(compression=...), which "
         "expects a Horovod compression class (compress(t) -> (t, ctx)) and cannot carry gradcomp "
         f"payloads. Use {instead}the drop-in optimizer with the same arguments: "
         "gradcomp.hooks.horovod.DistributedOptimizer(opt, named_parameters=model.named_parameters(), "
-        f"compression={compressor!r})"
+        f"compression={compressor})"
     )
 
 
@@ -53,8 +60,12 @@ def _refuse_horovod_callers(compress):
     @functools.wraps(compress)
     def checked(self, *args, **kwargs):
         if sys._getframe(1).f_globals.get("__name__", "").startswith("horovod."):
-            raise refused_by_horovod(self)
+            # compression=gradcomp.TopK (the class) makes Horovod pass the gradient as self.
+            raise refused_by_horovod(self if isinstance(self, Compressor) else owner[0])
         return compress(self, *args, **kwargs)
+
+    owner = []  # the class, filled in by __init_subclass__ once it exists
+    checked.owner = owner
 
     return checked
 
@@ -101,8 +112,11 @@ class Compressor(abc.ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if "compress" in vars(cls) and not getattr(cls.compress, "__isabstractmethod__", False):
-            cls.compress = _refuse_horovod_callers(vars(cls)["compress"])
+        if not getattr(cls.compress, "__isabstractmethod__", False):
+            # One wrapper per class (around the unwrapped function), so that the error names
+            # the class Horovod was given even when it inherits compress.
+            cls.compress = _refuse_horovod_callers(getattr(cls.compress, "__wrapped__", cls.compress))
+            cls.compress.owner.append(cls)
 
     @abc.abstractmethod
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:
