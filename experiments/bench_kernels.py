@@ -2,7 +2,7 @@
 
 For each size ``n``, gradient dtype, input distribution and (for top-k) density, every op
 runs on every available backend: the fused compress with error feedback (residual read
-and updated in place, as :class:`gradcomp.ErrorFeedback` does) and the matching
+and updated in place, as :class:`gradcomp.error_feedback.ErrorFeedback` does) and the matching
 decompress-add. Each timing is the median of ``--repeats`` runs after a warm-up; the
 inputs (the residual) are restored before every run, outside the timed region.
 

@@ -22,7 +22,9 @@ class Method:
     gradcomp's methods and ``None`` for torch's own; ``setting`` is the ``train``
     argument that completes the spec (``topk`` + ``--density 0.01`` -> ``"topk:0.01"``).
     ``timing`` methods take part in the step-time comparison on every link; the others
-    are about convergence only.
+    are about convergence only. ``recipe`` methods register through the one-call recipe
+    (``optimizer=``, ``total_steps=``, ``scheduler=``: the schedule and optimizer stage derived
+    from the run); the others are plain error feedback into the optimizer, kept as ablations.
     """
 
     name: str
@@ -32,6 +34,7 @@ class Method:
     setting: Optional[str] = None
     error_feedback: bool = True
     timing: bool = True
+    recipe: bool = True
 
     @property
     def dashed(self) -> bool:
@@ -45,12 +48,18 @@ _METHODS = (
     Method("dense", "DDP's built-in allreduce (no hook)", "#1f77b4"),
     Method("fp16", "torch's fp16_compress_hook", "#17becf"),
     Method("powersgd", "torch's powerSGD_hook, rank 4, error feedback and warm start", "#9467bd"),
-    Method("topk", "gradcomp top-k (--density) with error feedback", "#d62728", "topk", "density"),
-    Method("twobit", "gradcomp 2-bit (--threshold) with error feedback", "#2ca02c", "twobit", "threshold"),
-    Method("auto", "gradcomp.policy.Auto: per bucket the fastest of dense, fp16, 2-bit and top-k 1% on the "
-           "link it measured during warm-up", "#ff7f0e"),
-    Method("topk-noef", "gradcomp top-k without error feedback", "#d62728", "topk", "density", False, False),
-    Method("twobit-noef", "gradcomp 2-bit without error feedback", "#2ca02c", "twobit", "threshold", False, False),
+    Method("topk", "gradcomp top-k (--density), the one-call recipe for the optimizer", "#d62728", "topk",
+           "density"),
+    Method("twobit", "gradcomp 2-bit (--threshold, default rms), the one-call recipe for the optimizer", "#2ca02c",
+           "twobit", "threshold"),
+    Method("auto", "gradcomp.Auto with the top-k recipe: per bucket the fastest of dense, fp16, 2-bit and top-k "
+           "on the link it measured during warm-up, each running its recipe", "#ff7f0e"),
+    Method("topk-noef", "the top-k recipe without error feedback", "#d62728", "topk", "density", False, False),
+    Method("twobit-noef", "the 2-bit recipe without error feedback", "#2ca02c", "twobit", "threshold", False, False),
+    Method("topk-naive", "top-k with plain error feedback into the optimizer, 2 dense steps, whole buckets (no "
+           "recipe)", "#8c564b", "topk", "density", True, False, False),
+    Method("twobit-naive", "2-bit with plain error feedback into the optimizer, 2 dense steps, whole buckets (no "
+           "recipe)", "#bcbd22", "twobit", "threshold", True, False, False),
 )  # fmt: skip
 
 #: Every method by name, in the order tables and plots show them.

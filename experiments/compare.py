@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from experiments import netem
-from experiments.catalog import ALL_METHODS, RECORD_FIELDS, TIMING_METHODS, link_key, read_log
+from experiments.catalog import ALL_METHODS, METHODS, RECORD_FIELDS, TIMING_METHODS, link_key, read_log
 
 # The runs start the runner as a module of this package, from the directory that holds it,
 # wherever --out points.
@@ -151,7 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--density", "--ratio", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
+        "--density", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
     )
     parser.add_argument("--run-timeout", type=float, help="seconds per run (default: from steps and workload)")
     parser.add_argument("--no-plots", action="store_true")
@@ -191,7 +191,7 @@ def plan_runs(args) -> List[Run]:
             methods = ["noop", *methods]  # the floor that step_time_over_floor divides by
         for index, rate in enumerate(args.rates):
             for method in methods:
-                if index > 0 and (plan.first_link_only or method.endswith("-noef")):
+                if index > 0 and (plan.first_link_only or not METHODS[method].timing):
                     continue
                 runs.append(Run(plan, method, rate, args.steps or plan.steps))
     return runs

@@ -12,26 +12,25 @@ Methods (``method`` in the rows) and what each one runs:
 ``dense``         DDP's built-in allreduce, fp32
 ``fp16``          torch's ``fp16_compress_hook``
 ``powersgd``      torch's PowerSGD hook, rank 4, error feedback, 2 dense steps
-``topk``          recommended top-k 1% recipe: SGD-momentum -> DGC (momentum correction and
-                  factor masking in the compression state, SGD without momentum) and DGC's
-                  sparsity ramp; AdamW -> compression-aware AdamW (dense warm-up, frozen
-                  variance, compressed momentum with error feedback) with the ramp after it
-``twobit``        recommended 2-bit recipe: ``TwoBit("rms")`` (threshold = RMS per tensor per
-                  step), dense warm-up; SGD-momentum -> DGC momentum correction; AdamW ->
-                  compression-aware AdamW
+``topk``          the one-call recipe, ``register(model, "topk:0.01", optimizer=, total_steps=,
+                  scheduler=)``: SGD-momentum -> DGC momentum correction (the momentum moves
+                  into gradcomp), AdamW -> its variance frozen after the dense start and the
+                  momentum exchanged in update units; a sparsity ramp sized to the byte budget
+``twobit``        the same call with ``"twobit:rms"`` (scale per parameter and step); under
+                  SGD-momentum the momentum stays in the optimizer (1-bit SGD's arrangement)
+``auto``          the top-k recipe with ``policy=gradcomp.Auto()`` (dense, fp16, 2-bit or top-k
+                  per bucket, each running its recipe)
 ``topk-noef``     the ``topk`` recipe with error feedback off
 ``twobit-noef``   the ``twobit`` recipe with error feedback off
-``topk-naive``    today's default: top-k 1%, error feedback, 2 dense steps, whole buckets, the
-                  optimizer unchanged (momentum / live Adam)
-``twobit-naive``  today's default: one fixed threshold, 4 x the gradient RMS at the last dense
-                  step, error feedback, 2 dense steps, the optimizer unchanged
-``twobit-plainef``  an alternative 2-bit recipe: ``TwoBit("rms")``, the same dense warm-up, plain
-                  error feedback and the optimizer unchanged (no optimizer-aware stage)
+``topk-naive``    the path without the recipe: top-k 1%, error feedback, 2 dense steps, whole
+                  buckets, the optimizer unchanged (momentum / live Adam)
+``twobit-naive``  the same with one fixed threshold, 4 x the gradient RMS at the last dense step
 ================  =============================================================================
 
 Optimizers: ``adamw`` (lr 1e-3, weight decay 0) and ``sgdm`` (SGD, momentum 0.9, lr 0.1 for
 charlm, 0.05 for digits); both with a linear LR warm-up of ``min(20, steps // 10)`` steps and a
-cosine decay to 10% (as ``train.py``).
+cosine decay to 10% (as ``train.py``), given to the runs as a ``LambdaLR`` scheduler. Every run
+uses DDP's default buckets (``"buckets": "default"`` in its row).
 
 Outputs in ``--out``:
 
@@ -47,8 +46,9 @@ Outputs in ``--out``:
 * ``convergence.md``: the table; ``<workload>_<optimizer>_loss_vs_step.png`` and
   ``..._loss_vs_time.png``.
 
-Modes: the full study (charlm-small 2000 steps and digits 1000 steps, both optimizers, every
-method; each run is skipped if its log is already complete, so an interrupted study resumes);
+Modes: the full study (charlm-small 2000 steps, the GRU ``proselm`` 1000 steps and digits 1000
+steps, both optimizers, every method; each run is skipped if its log is already complete, so an
+interrupted study resumes);
 ``--quick``: a 1-layer charlm, 12 steps, a few methods (the smoke test); ``--only`` filters runs
 (``workload/optimizer/method``, ``*`` allowed); ``--aggregate`` only rebuilds the outputs.
 
@@ -72,22 +72,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
-METHODS = ("dense", "fp16", "powersgd", "topk", "twobit", "topk-noef", "twobit-noef", "topk-naive", "twobit-naive",
-           "twobit-plainef")
+METHODS = ("dense", "fp16", "powersgd", "topk", "twobit", "auto", "topk-noef", "twobit-noef", "topk-naive",
+           "twobit-naive")
 OPTIMIZERS = ("adamw", "sgdm")
 TOPK_DENSITY = 0.01
 IN_PROGRESS_S = 120.0  # a log written to this recently belongs to a run still going elsewhere
 NAIVE_WARMUP_STEPS = 2  # today's default dense steps (DDP's bucket rebuild)
 NAIVE_THRESHOLD_SCALE = 4.0  # today's 2-bit threshold: 4 x the gradient RMS at the last dense step
-# Compression-aware AdamW: dense steps until the second moment is frozen. DeepSpeed's 1-bit Adam
-# freezes after 15-25% of training; 5% of a 2000-step run is what keeps top-k 1% at 10x fewer
-# bytes with the ramp after it (the byte goal), measured at +9% loss for the same recipe in the
-# research simulation; see the README's recipe table for the measured trade-off.
-ADAM_FREEZE_FRACTION = 0.05
-ADAM_RAMP_STAGE_STEPS = 50
-# DDP bucket cap that puts every parameter in a bucket of its own (any parameter exceeds it).
-PER_PARAMETER_BUCKET_MB = 1e-6
-TWOBIT_DENSE_FRACTION = 0.05  # 100 of 2000 steps: keeps 2-bit at ~9x fewer bytes than dense
+#: How the runs bucket their gradients (recorded in every row): DDP's default buckets.
+BUCKETS = "default"
 
 
 @dataclass(frozen=True)
@@ -121,6 +114,8 @@ def _build_workload(name: str, seed: int, eval_windows: int):
         overrides = {"d_model": 32, "layers": 1, "heads": 2, "context": 16}
         return workloads.build_workload("charlm", seed=seed, small=True, charlm_overrides=overrides,
                                         eval_windows=eval_windows)
+    if name == "proselm":
+        return workloads.build_workload("proselm", seed=seed, eval_windows=eval_windows)
     if name == "digits":
         return workloads.build_workload("digits", seed=seed)
     raise ValueError(f"unknown workload {name!r}")
@@ -163,84 +158,52 @@ class _GradcompTelemetry:
 
 
 def attach(model, net, spec: RunSpec, lr: float):
-    """Register ``spec.method`` on the DDP ``model``; return ``(optimizer, telemetry, on_step_end,
-    compressor)`` (``compressor``: gradcomp's base compressor, or ``None``).
+    """Register ``spec.method`` on the DDP ``model``; return ``(optimizer, scheduler, telemetry,
+    on_step_end, compressor)`` (``compressor``: gradcomp's base compressor, or ``None``).
 
-    ``on_step_end(step)`` runs after each optimizer step (the naive 2-bit threshold is chosen
-    there, as ``train.py`` does)."""
+    The optimizer and its LR scheduler are built first, as a user's script has them; gradcomp's
+    recipes are then the one call ``register(model, spec, optimizer=, total_steps=, scheduler=)``,
+    which derives everything else from the run. ``on_step_end(step)`` runs after each optimizer
+    step (the naive 2-bit threshold is chosen there, as ``train.py`` does)."""
     import torch
 
     import gradcomp
     from experiments import train
     from gradcomp.hooks import ddp as gradcomp_ddp
 
-    named = list(net.named_parameters())
     dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
-    momentum = 0.9 if spec.optimizer == "sgdm" else 0.0
-
-    def plain_optimizer():
-        if spec.optimizer == "adamw":
-            return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    if spec.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, lr, spec.steps) / lr)
 
     def no_step_hook(step):
         return None
 
     if spec.method in ("dense", "fp16", "powersgd"):
-        args = argparse.Namespace(seed=spec.seed, ratio=TOPK_DENSITY, threshold="auto", backend=None)
+        args = argparse.Namespace(seed=spec.seed, density=TOPK_DENSITY, threshold="rms", backend=None)
         telemetry = train.attach_method(model, spec.method, args, dense_bytes)
-        return plain_optimizer(), _TorchHookTelemetry(telemetry), no_step_hook, None
+        return optimizer, scheduler, _TorchHookTelemetry(telemetry), no_step_hook, None
 
     base, _, variant = spec.method.partition("-")
     if variant == "naive":
         compressor = gradcomp.TopK(TOPK_DENSITY) if base == "topk" else gradcomp.TwoBit(1.0)
-        state = gradcomp_ddp.register(model, compressor, warmup_steps=NAIVE_WARMUP_STEPS)
+        state = gradcomp_ddp.register(model, compressor, warmup_steps=NAIVE_WARMUP_STEPS, granularity="bucket")
 
         def choose_threshold(step):
             if base == "twobit" and step == NAIVE_WARMUP_STEPS - 1:
                 state.engine.compressor = gradcomp.TwoBit(train.choose_twobit_threshold(net, NAIVE_THRESHOLD_SCALE))
 
-        return plain_optimizer(), _GradcompTelemetry(state), choose_threshold, compressor
+        return optimizer, scheduler, _GradcompTelemetry(state), choose_threshold, compressor
 
-    from gradcomp import schedule as schedules
-    from gradcomp.optim import DGC, CompressedAdamW
-
-    if variant == "plainef":
-        dense_steps = max(2, round(TWOBIT_DENSE_FRACTION * spec.steps))
-        state = register_engine(model, gradcomp.TwoBit("rms"), schedules.DenseWarmup(dense_steps), None, True)
-        return plain_optimizer(), _GradcompTelemetry(state), no_step_hook, state.compressor
-
-    error_feedback = variant != "noef"
-    if base == "topk":
-        compressor = gradcomp.TopK(TOPK_DENSITY)
-    else:
-        compressor = gradcomp.TwoBit("rms")
-    if spec.optimizer == "sgdm":
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0)
-        transform = DGC(named, momentum=momentum, optimizer=optimizer, masking=base == "topk")
-        if base == "topk":
-            schedule = schedules.recommended(compressor)
-        else:
-            schedule = schedules.DenseWarmup(max(2, round(TWOBIT_DENSE_FRACTION * spec.steps)))
-    else:
-        freeze = max(2, round(ADAM_FREEZE_FRACTION * spec.steps))
-        optimizer = CompressedAdamW(named, lr=lr, weight_decay=0.0, freeze_step=freeze)
-        transform = optimizer.transform
-        if base == "topk":
-            schedule = schedules.SparsityRamp(dense_steps=freeze, stage_steps=ADAM_RAMP_STAGE_STEPS)
-        else:
-            schedule = schedules.DenseWarmup(freeze)
-    state = register_engine(model, compressor, schedule, transform, error_feedback)
-    return optimizer, _GradcompTelemetry(state), no_step_hook, compressor
-
-
-def register_engine(model, compressor, schedule, transform, error_feedback: bool):
-    """The product's DDP registration with a schedule and an optimizer-aware transform."""
-    from gradcomp.hooks import ddp as gradcomp_ddp
-
-    return gradcomp_ddp.register(
-        model, compressor, schedule=schedule, transform=transform, error_feedback=error_feedback
-    )
+    spec_text = "twobit:rms" if base == "twobit" else f"topk:{TOPK_DENSITY}"
+    kwargs = {"error_feedback": variant != "noef"}
+    if base == "auto":
+        kwargs["policy"] = gradcomp.Auto()
+    state = gradcomp_ddp.register(model, spec_text, optimizer=optimizer, total_steps=spec.steps, scheduler=scheduler,
+                                  **kwargs)
+    return optimizer, scheduler, _GradcompTelemetry(state), no_step_hook, state.engine.compressor
 
 
 def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str], timeout_s: float) -> None:
@@ -261,12 +224,11 @@ def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str],
     try:
         workload = _build_workload(spec.workload, spec.seed, spec.eval_windows)
         net = workload.build_model()
-        # The recipes compress each parameter on its own (a top-k and a 2-bit scale per tensor,
-        # as DGC, GRACE and 1-bit SGD do): DDP then puts every parameter in its own bucket.
-        per_parameter = spec.method.split("-")[0] in ("topk", "twobit") and not spec.method.endswith("-naive")
-        model = DistributedDataParallel(net, bucket_cap_mb_list=[PER_PARAMETER_BUCKET_MB] if per_parameter else None)
+        # DDP's default buckets, as a user has them: the engine compresses each parameter of a
+        # bucket on its own (its own top-k budget and 2-bit scale).
+        model = DistributedDataParallel(net)
         lr = peak_lr(spec)
-        optimizer, telemetry, on_step_end, compressor = attach(model, net, spec, lr)
+        optimizer, scheduler, telemetry, on_step_end, compressor = attach(model, net, spec, lr)
         if compressor is not None:  # JIT-compile the kernels outside the timed steps, as train.py does
             from experiments import train
 
@@ -285,20 +247,20 @@ def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str],
             dist.all_reduce(sums)
             emit({"event": "eval", "step": step, "train_time_s": train_time, **workload.metrics(sums)})
 
-        emit({"event": "config", **asdict(spec), "lr": lr, "world_size": world_size, "batch_size": batch_size,
+        emit({"event": "config", **asdict(spec), "buckets": BUCKETS, "lr": lr, "world_size": world_size,
+              "batch_size": batch_size,
               "link": os.environ.get("GRADCOMP_LINK", "unshaped"), "torch": torch.__version__,
               "params": sum(p.numel() for p in net.parameters())})  # fmt: skip
         evaluate(-1, 0.0)
         train_time = 0.0
         for step in range(spec.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, lr, spec.steps)
             x, y = workload.batch(rank, step, batch_size)
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss = workload.loss(model, x, y)
             loss.backward()
             optimizer.step()
+            scheduler.step()
             step_time = time.perf_counter() - started
             train_time += step_time
             on_step_end(step)
@@ -354,11 +316,13 @@ def plan(quick: bool, seeds: List[int]) -> List[RunSpec]:
         methods = ("dense", "topk", "twobit", "topk-naive")
         return [RunSpec("charlm-tiny", o, m, s, 12, 6, 8) for s in seeds for o in OPTIMIZERS for m in methods]
     recipes = ("dense", "topk", "twobit")
-    ablations = ("topk-noef", "twobit-noef", "topk-naive", "twobit-naive", "twobit-plainef")
+    ablations = ("auto", "topk-noef", "twobit-noef", "topk-naive", "twobit-naive")
     others = ("fp16", "powersgd")
     runs = []
     for seed in seeds:
-        runs += [RunSpec("charlm-small", o, m, seed, 2000, 100) for o in ("sgdm", "adamw") for m in recipes]
+        runs += [RunSpec("charlm-small", o, m, seed, 2000, 40) for o in ("sgdm", "adamw") for m in recipes]
+    for seed in seeds:  # the held-out architecture and corpus, beside charlm-small
+        runs += [RunSpec("proselm", o, m, seed, 1000, 20) for o in ("sgdm", "adamw") for m in recipes]
     for seed in seeds:  # digits is ~10x cheaper: its whole matrix before charlm's ablations
         runs += [RunSpec("digits", o, m, seed, 1000, 100) for o in OPTIMIZERS for m in recipes + ablations + others]
     for seed in seeds:
@@ -399,6 +363,7 @@ def summarize(spec: RunSpec, path: str) -> Optional[dict]:
     skip = min(len(steps) // 2, 5)
     return {
         **asdict(spec),
+        "buckets": config.get("buckets", BUCKETS),
         "final_loss": final["eval_loss"],
         "final_accuracy": final.get("accuracy"),
         "bytes_total": bytes_total,

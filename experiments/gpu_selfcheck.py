@@ -13,7 +13,7 @@ same kernels in a CPU emulation). On the first CUDA device it
 
 Usage::
 
-    python experiments/gpu_selfcheck.py [--sizes 65536,1048576,16777216] [--ratio 0.01] [--repeats 30]
+    python experiments/gpu_selfcheck.py [--sizes 65536,1048576,16777216] [--density 0.01] [--repeats 30]
 
 Exit status: 0 when everything matches, 1 on any mismatch, 2 when there is no GPU or CuPy.
 """
@@ -180,14 +180,14 @@ def copy_bandwidth(device, nbytes: int, repeats: int) -> float:
     return 2 * nbytes / time_gpu(lambda: dst.copy_(src), repeats)
 
 
-def benchmark(device, kernels, reference, sizes: List[int], ratio: float, repeats: int) -> None:
+def benchmark(device, kernels, reference, sizes: List[int], density: float, repeats: int) -> None:
     copy_bps = copy_bandwidth(device, 256 << 20, repeats)
     print(f"\ndevice-to-device copy: {copy_bps / 1e9:.0f} GB/s (256 MiB, read + write)\n")
     header = f"{'op':<22}{'dtype':<6}{'n':>10}{'cuda us':>10}{'torch us':>11}{'speedup':>9}{'GB/s':>8}{'% copy':>8}"
     print(header)
     print("-" * len(header))
     for n in sizes:
-        k = max(1, math.ceil(ratio * n))
+        k = max(1, math.ceil(density * n))
         for dtype_name, dtype in DTYPES.items():
             g = torch.tensor([], dtype=dtype).element_size()
             grad = torch.randn(n, device=device).to(dtype)
@@ -224,7 +224,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="65536,1048576,16777216,67108864",
                         help="comma-separated element counts to time")
-    parser.add_argument("--ratio", type=float, default=0.01, help="top-k ratio for the timings")
+    parser.add_argument("--density", type=float, default=0.01, help="top-k: fraction of entries kept")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement")
     parser.add_argument("--skip-timing", action="store_true", help="only check correctness")
     args = parser.parse_args(argv)
@@ -259,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if not args.skip_timing:
         sizes = [int(size) for size in args.sizes.split(",") if size]
-        benchmark(device, kernels, reference, sizes, args.ratio, args.repeats)
+        benchmark(device, kernels, reference, sizes, args.density, args.repeats)
     return 1 if failures else 0
 
 

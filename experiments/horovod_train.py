@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="charlm: the small preset")
     parser.add_argument("--compressor", choices=("dense", "fp16", "topk", "twobit", "bf16"), default="topk")
     parser.add_argument(
-        "--density", "--ratio", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
+        "--density", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
     )
     parser.add_argument(
         "--threshold", default="auto",

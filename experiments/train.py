@@ -76,13 +76,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, help="charlm: override the preset's context length")
     parser.add_argument("--compressor", choices=tuple(METHODS), default="dense", help="the method (see below)")
     parser.add_argument(
-        "--density", "--ratio", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
+        "--density", type=float, default=0.01, help="top-k: the fraction of entries sent (default 0.01)"
     )
     parser.add_argument(
         "--threshold",
-        default="auto",
-        help="2-bit threshold: a positive number, 'rms' (per tensor and step, see gradcomp.TwoBit), or 'auto' "
-        "(default): --threshold-scale x the RMS of the averaged gradient at the last dense warm-up step",
+        default="rms",
+        help="2-bit threshold: 'rms' (default: per parameter and step, see gradcomp.TwoBit), a positive number, "
+        "or 'auto': --threshold-scale x the RMS of the averaged gradient at the last dense warm-up step",
     )
     parser.add_argument(
         "--threshold-scale", type=float, default=AUTO_THRESHOLD_SCALE,
@@ -216,8 +216,11 @@ def in_bucket_order(hook: Callable) -> Callable:
     return ordered_hook
 
 
-def attach_method(model, method: str, args, dense_bytes: int):
-    """Register ``method``'s comm hook on the DDP ``model``; return its :class:`Telemetry`."""
+def attach_method(model, method: str, args, dense_bytes: int, optimizer=None, scheduler=None):
+    """Register ``method``'s comm hook on the DDP ``model``; return its :class:`Telemetry`.
+
+    gradcomp's recipe methods take the run's ``optimizer`` and LR ``scheduler`` (the one-call
+    recipe reads them, and may move SGD's momentum into gradcomp)."""
     from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -241,27 +244,23 @@ def attach_method(model, method: str, args, dense_bytes: int):
             random_seed=args.seed,
         )
         model.register_comm_hook(state, in_bucket_order(telemetry.wrap(powersgd.powerSGD_hook, _powersgd_bytes)))
-    elif method == "auto":
-        from gradcomp.compressors import from_spec
+    elif method == "auto" or (method in METHODS and METHODS[method].compressor):
         from gradcomp.hooks import ddp as gradcomp_ddp
         from gradcomp.policy import Auto
 
-        # The base compressor only switches compression on after the dense warm-up, which is
-        # when Auto has measured the link; Auto picks what each bucket actually uses.
-        telemetry.gradcomp_state = gradcomp_ddp.register(
-            model, from_spec("topk:0.01"), warmup_steps=GRADCOMP_WARMUP_STEPS, backend=args.backend
-        )
-        telemetry.gradcomp_state.engine.policy = Auto()
-    elif method in METHODS and METHODS[method].compressor:
-        from gradcomp.hooks import ddp as gradcomp_ddp
-
-        telemetry.gradcomp_state = gradcomp_ddp.register(
-            model,
-            compressor_for(METHODS[method], args),
-            warmup_steps=GRADCOMP_WARMUP_STEPS,
-            error_feedback=METHODS[method].error_feedback,
-            backend=args.backend,
-        )
+        entry = METHODS[method]
+        # Auto: the top-k recipe switches compression on after the dense start, when Auto has
+        # measured the link; Auto then picks what each bucket uses, running that one's recipe.
+        compressor = (compressor_for(METHODS["topk"], args) if method == "auto"
+                      else compressor_for(entry, args))
+        kwargs = {"backend": args.backend, "error_feedback": entry.error_feedback}
+        if method == "auto":
+            kwargs["policy"] = Auto()
+        if entry.recipe and optimizer is not None:
+            kwargs.update(optimizer=optimizer, total_steps=args.steps, scheduler=scheduler)
+        else:  # the ablation: plain error feedback, the old defaults
+            kwargs.update(warmup_steps=GRADCOMP_WARMUP_STEPS, granularity="bucket")
+        telemetry.gradcomp_state = gradcomp_ddp.register(model, compressor, **kwargs)
     else:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     return telemetry
@@ -408,10 +407,6 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
         params = sum(p.numel() for p in net.parameters())
         dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
         model = DistributedDataParallel(net, device_ids=[local_rank] if cuda else None)
-        telemetry = attach_method(model, args.compressor, args, dense_bytes)
-        kernel_warmup_s = 0.0
-        if telemetry.gradcomp_state is not None:
-            kernel_warmup_s = warm_up_kernels(telemetry.gradcomp_state.compressor, args.backend, device)
         if args.optimizer == "adamw":
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         else:
@@ -423,6 +418,12 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
                 return lr * (step + 1) / lr_warmup
             progress = (step - lr_warmup) / max(1, args.steps - lr_warmup)
             return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step) / lr)
+        telemetry = attach_method(model, args.compressor, args, dense_bytes, optimizer, scheduler)
+        kernel_warmup_s = 0.0
+        if telemetry.gradcomp_state is not None:
+            kernel_warmup_s = warm_up_kernels(telemetry.gradcomp_state.engine.compressor, args.backend, device)
 
         def emit(record: dict) -> None:
             if log is not None:
@@ -469,8 +470,6 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
         threshold = initial_twobit_threshold(args.threshold)
         step_times, losses = [], []
         for step in range(args.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
             x, y = workload.batch(rank, step, batch_size)
             x, y = x.to(device), y.to(device)
             tx_before = _lo_tx_bytes()
@@ -479,6 +478,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
             loss = workload.loss(model, x, y)
             loss.backward()  # returns once every bucket's collective has completed
             optimizer.step()
+            scheduler.step()
             if cuda:
                 torch.cuda.synchronize(device)
             step_time = time.perf_counter() - started
@@ -503,7 +503,8 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
             if progress is not None:
                 progress.set_postfix(loss=f"{loss_value:.3f}", step_s=f"{step_time:.3f}")
                 progress.update()
-            if args.compressor.startswith("twobit") and args.threshold == "auto" and step == GRADCOMP_WARMUP_STEPS - 1:
+            if (args.compressor.startswith("twobit") and args.threshold == "auto" and step == GRADCOMP_WARMUP_STEPS - 1
+                    and not METHODS[args.compressor].recipe):
                 threshold = choose_twobit_threshold(net, args.threshold_scale)
                 # The engine asks for its base compressor anew at every step: from the next one on
                 # it compresses with the chosen threshold.

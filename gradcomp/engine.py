@@ -75,6 +75,7 @@ from gradcomp.agreement import AGREEMENT_FIELDS, SettingsMismatchError, spec_of
 from gradcomp.backends import BACKENDS, resolve_backend
 from gradcomp.checkpoint import STATE_FORMAT
 from gradcomp.compressors.base import FLOAT_DTYPES, Compressor
+from gradcomp.compressors.per_parameter import PerParameter
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.exchange import average_gathered
 from gradcomp.payload import Payload, PayloadLayout
@@ -86,6 +87,10 @@ from gradcomp.validation import PayloadError, validate_gathered
 __all__ = ["Engine", "Handle", "Transport", "SettingsMismatchError", "STATE_FORMAT", "AGREEMENT_FIELDS", "spec_of"]
 
 logger = logging.getLogger(__name__)
+
+#: How a group's parameters share a compressed payload (see :class:`Engine`).
+GRANULARITIES = ("parameter", "bucket")
+
 
 class Transport:
     """How an integration launches collectives. Subclassed by each adapter.
@@ -125,7 +130,7 @@ class Transport:
 class Handle:
     """One group's exchange in flight, from :meth:`Engine.start` to :meth:`Engine.finish`."""
 
-    __slots__ = ("group", "keys", "numels", "grad", "mode", "compressor", "payload", "work")
+    __slots__ = ("group", "keys", "numels", "grad", "mode", "compressor", "payload", "work", "scale")
 
     def __init__(self, group, keys, numels, grad, mode, compressor=None, payload=None):
         self.group: Hashable = group
@@ -136,6 +141,7 @@ class Handle:
         self.compressor: Optional[Compressor] = compressor
         self.payload: Optional[Payload] = payload
         self.work = None  # the transport's work object (a Future on DDP, a Horovod handle)
+        self.scale = 1.0  # the loss scale the gradient arrived in (see Engine(grad_scaler=))
 
 
 def _default_schedule(warmup_steps: int):
@@ -159,13 +165,33 @@ class Engine:
         schedule, transform: the extension slots of the module docstring.
         exchange: ``"allgather"`` or ``"two_phase"`` (:mod:`gradcomp.two_phase`), how payloads
             that cannot be summed travel.
+        granularity: ``"parameter"`` (default): top-k keeps ``ceil(density * n_i)`` entries of
+            each parameter and a 2-bit scale is per parameter, parameters under ``min_numel``
+            travel dense in the same payload (:mod:`gradcomp.compressors.per_parameter`);
+            ``"bucket"``: the whole group is one tensor. The two-phase exchange chunks the group
+            and ignores it.
+        grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision run. Each group is divided
+            by its scale on arrival and the average multiplied back before the framework sees it,
+            so residuals, DGC velocities and second-stage residuals hold true-gradient units and
+            need no rescaling when the scale grows or backs off (GradScaler's scales are powers of
+            two, so both operations are exact).
     """
 
     def __init__(self, compressor: Compressor, transport: Optional[Transport] = None, *,
                  warmup_steps: Optional[int] = None, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True,
                  backend: Optional[str] = None, schedule=None, transform=None, exchange: str = "allgather",
-                 policy=None):
+                 policy=None, granularity: str = "parameter", grad_scaler=None):
         self.compressor = check_compressor(compressor)
+        #: The run's ``torch.amp.GradScaler``: gradients arrive multiplied by its scale; the engine
+        #: works in the units of the true gradient so that residuals survive every scale change.
+        self.grad_scaler = grad_scaler
+        self._scale_at: Tuple[int, float] = (-1, 1.0)
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        #: ``"parameter"``: each parameter of a group compressed on its own (:class:`PerParameter`);
+        #: ``"bucket"``: the group as one tensor.
+        self.granularity = granularity
+        self._per_parameter: Dict[Tuple[int, Tuple[int, ...]], PerParameter] = {}
         #: Optional per-group choice of compressor (:class:`gradcomp.policy.Auto`): asked in ``start``
         #: for each group on compressed steps, told in ``finish`` when the group's collective completed.
         self.policy = policy
@@ -266,11 +292,15 @@ class Engine:
                                f"its parameters {sum(numels)}")
         if self._steps_run in self.agreement_steps:
             self.check_agreement([(numels, grad.dtype)], group)
+        scale = self._loss_scale()
+        if scale != 1.0:
+            grad.div_(scale)
         compressor = self.compressor_now()
         if self.policy is not None:
             compressor = self.policy.choose(self, group, grad.numel(), grad.dtype, grad.device, compressor)
         mode = self.mode_of(compressor, grad.numel(), grad.dtype, grad.device)
         handle = Handle(group, keys, numels, grad, mode, compressor)
+        handle.scale = scale
         dense_bytes = grad.numel() * grad.element_size()
         if mode == "dense":
             # The transform sees the gradient alone, then the residual is added, in the order of
@@ -293,6 +323,12 @@ class Engine:
                          if compressor.uses_error_feedback and self.error_feedback else None)
             self.two_phase.start(self._exchange_context(), handle, source, residuals, started)
             return handle
+        if mode == "allgather":
+            compressor = handle.compressor = self._granular(compressor, numels)
+        elif not compressor.uses_error_feedback:
+            # A cast (fp16) keeps no residual: what a compressed step held back for this group
+            # goes out now, as on a dense step (a policy may move a group from top-k to fp16).
+            self._flush_residuals(keys, numels, source)
         if compressor.uses_error_feedback and self.error_feedback:
             residual_in, residual_out = self.residual_memory.buffers(keys, numels, grad.device)
             payload = compressor.compress(source, residual_in, residual_out, backend=self.backend)
@@ -315,12 +351,21 @@ class Engine:
     def finish(self, handle: Handle, result: torch.Tensor) -> torch.Tensor:
         """Write the average of ``handle``'s group into its gradient and return the gradient.
 
+        The average is in the loss scale the gradient arrived in (see ``grad_scaler``).
+
         ``result`` is the collective's output: the reduced tensor (dense, allreduce) or the
         gathered payloads (allgather; any integer view of the ``P * nbytes`` bytes). Gathered
         payloads are validated before anything is written; a bad one raises
         :class:`~gradcomp.validation.PayloadError` naming the sender and the group, and leaves
         the gradient and the residuals as they were. Never blocks.
         """
+        average = self._average(handle, result)
+        if handle.scale != 1.0:
+            average.mul_(handle.scale)
+        return average
+
+    def _average(self, handle: Handle, result: torch.Tensor) -> torch.Tensor:
+        """:meth:`finish` in the units of the true gradient."""
         grad, mode = handle.grad, handle.mode
         if self.policy is not None:
             self.policy.finished(handle)
@@ -383,10 +428,36 @@ class Engine:
         if self.transform is not None:
             self.transform.commit(handle.keys, accept)
 
+    def _loss_scale(self) -> float:
+        """The grad scaler's scale this step (read once per step; 1.0 without a scaler)."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        step, scale = self._scale_at
+        if step != self.step:
+            scale = float(scaler.get_scale())
+            if not (scale > 0 and scale != float("inf")):
+                raise RuntimeError(f"the grad scaler's scale is {scale}; it must be a positive finite number")
+            self._scale_at = (self.step, scale)
+        return scale
+
     def end_step(self) -> None:
         """Close the step: telemetry moves on and the schedule sees the next step number."""
         self.telemetry.end_step()
         self._steps_run += 1
+
+    def _granular(self, compressor: Compressor, numels: Tuple[int, ...]) -> Compressor:
+        """``compressor`` for a group of parameters of ``numels``: per parameter (cached per
+        compressor and layout) or whole, by :attr:`granularity`."""
+        if self.granularity == "bucket" or len(numels) < 2:
+            return compressor
+        key = (id(compressor), numels)
+        wrapped = self._per_parameter.get(key)
+        if wrapped is None or wrapped.base is not compressor:
+            if len(self._per_parameter) > 256:  # schedules make a few compressors; bound the cache anyway
+                self._per_parameter.clear()
+            wrapped = self._per_parameter[key] = PerParameter(compressor, numels, dense_below=self.min_numel)
+        return wrapped
 
     def _flush_residuals(self, keys, numels, grad: torch.Tensor) -> None:
         """Add the residuals still held for ``keys`` into ``grad`` and zero them, so a group

@@ -49,7 +49,9 @@ __all__ = ["Auto", "DEFAULT_CANDIDATES"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CANDIDATES = ("fp16", "twobit:0.5", "topk:0.01")
+# 2-bit with the per-parameter RMS scale of the recipes: a fixed threshold fits gradients of one
+# known magnitude only and sends almost nothing elsewhere.
+DEFAULT_CANDIDATES = ("fp16", "twobit:rms", "topk:0.01")
 _NS = 1e9
 _MISSING = -1  # a measurement that was no finite time >= 0, as shared with the other ranks
 
@@ -122,6 +124,10 @@ class Auto:
             if group not in self._chosen or self.decisions[group]["numel"] != numel:  # new or rebuilt
                 self._decide(engine, group, numel, dtype, device)
             chosen = self._chosen[group]
+            if chosen is not None and type(chosen) is type(base):
+                # The family the cost model picked, at the setting the schedule gives this step (a
+                # ramp's density): the choice then runs that compressor's recipe.
+                chosen = base
         else:
             chosen = None if base is None else base
         self._launched[group] = time.perf_counter()

@@ -69,17 +69,15 @@ def _check_step(step) -> int:
 
 
 def _density_of(compressor: TopK) -> float:
-    """A top-k compressor's fraction of entries kept (``density``, formerly ``ratio``)."""
-    value = getattr(compressor, "density", None)
-    return float(value if value is not None else compressor.ratio)
+    """A top-k compressor's fraction of entries kept."""
+    return float(compressor.density)
 
 
 def _with_density(compressor: TopK, density: float) -> TopK:
     """A copy of ``compressor`` with every other setting kept and ``density`` entries kept."""
     changed = copy.copy(compressor)
-    for name in ("density", "ratio"):
-        if name in vars(changed):
-            setattr(changed, name, float(density))
+    if "density" in vars(changed):
+        changed.density = float(density)
     if _density_of(changed) != float(density):
         raise TypeError(f"cannot set the density of {compressor!r}; a ramp needs TopK's density attribute")
     return changed

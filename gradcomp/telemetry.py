@@ -58,17 +58,15 @@ class Telemetry:
     @staticmethod
     def _summary(parts: dict) -> dict:
         sent, dense = parts["bytes_sent"], parts["dense_bytes"]
-        ratio = dense / sent if sent else float("nan")
-        # "ratio" is the older name of compression_ratio, kept for existing callers.
-        return {**parts, "compression_ratio": ratio, "ratio": ratio}
+        return {**parts, "compression_ratio": dense / sent if sent else float("nan")}
 
     def stats(self) -> dict:
         """Bytes this rank handed to collectives and time spent compressing.
 
         Returns ``{"step": int, "last_step": {...}, "total": {...}, "agreement": {...}}``.
         ``last_step`` and ``total`` have ``bytes_sent``, ``dense_bytes`` (what a dense
-        allreduce of the same gradients would hand over), ``compression_ratio`` (dense ÷ sent;
-        also under its older name ``ratio``) and ``compress_s``; ``total`` also has ``steps``.
+        allreduce of the same gradients would hand over), ``compression_ratio`` (dense ÷ sent)
+        and ``compress_s``; ``total`` also has ``steps``.
         ``last_step["groups"]`` is ``{group: {"bytes_sent", "dense_bytes", "compress_s", "mode",
         "backend"}}`` with ``mode`` one of :data:`MODES` and ``backend`` the kernel backend that
         compressed the group (``None`` when no kernel ran). ``agreement`` counts the settings

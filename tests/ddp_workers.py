@@ -1,65 +1,15 @@
 """Rank entry points and models for the multi-process DDP tests (real Gloo, no mocks).
 
-Each worker is a top-level function so that torch.multiprocessing can spawn it; each
-writes its results with ``torch.save`` to ``out_dir/rank{r}.pt``.
+Each worker is a top-level function that :func:`multiprocess.spawn` runs on every rank and
+returns the rank's results.
 """
-import datetime
-import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.hooks import ddp as gc_ddp
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def spawn(worker, world_size, out_dir, *args, timeout_s=180, pg_timeout_s=60, check=True):
-    """Run ``worker(rank, world_size, *args)`` on ``world_size`` Gloo ranks and return
-    the list of per-rank results (``None`` for a rank that saved none). With
-    ``check=False`` a failing rank is allowed; exit codes are then returned as well."""
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_entry, args=(worker, rank, world_size, port, out_dir, args, pg_timeout_s))
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout_s)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    codes = [proc.exitcode for proc in procs]
-    if check:
-        assert codes == [0] * world_size, f"ranks exited with {codes}"
-    results = []
-    for rank in range(world_size):
-        path = os.path.join(out_dir, f"rank{rank}.pt")
-        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
-    return results if check else (results, codes)
-
-
-def _entry(worker, rank, world_size, port, out_dir, args, pg_timeout_s):
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
-    try:
-        result = worker(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 # -- models and data ------------------------------------------------------------------------------

@@ -283,12 +283,41 @@ def scenario_nonfinite(rank):
     }
 
 
+def scenario_refused(rank, hvd):
+    """A gradcomp compressor given to Horovod's own optimizer: every rank raises the same
+    TypeError at its first compress call (inside the first backward), before any collective."""
+    outcome = {}
+    for name, compressor in {"topk": gradcomp.TopK(0.01), "fp16": gradcomp.FP16()}.items():
+        model = make_model()
+        opt = hvd.DistributedOptimizer(make_sgd(model), named_parameters=model.named_parameters(),
+                                       compression=compressor)  # fmt: skip
+        x, y = make_data(rank)
+        try:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            outcome[name] = None
+        except Exception as error:  # noqa: BLE001 - the test checks the type
+            outcome[name] = (type(error).__name__, str(error))
+    return outcome
+
+
+def scenario_exchange_and_policy(rank, hvd):
+    """The drop-in's exchange= and policy= (as on the DDP hook): two-phase and Auto train
+    with ranks bitwise equal, and stats() shows the exchange that ran."""
+    results = {}
+    for name, kwargs in {"two_phase": dict(exchange="two_phase"), "auto": dict(policy=gradcomp.Auto())}.items():
+        model = make_model()
+        opt = dropin(model, compression=gradcomp.TopK(0.05), min_numel=0, warmup_steps=2, **kwargs)
+        losses, _ = train(opt, model, make_data(rank), 6)
+        modes = {group["mode"] for group in opt.stats()["last_step"]["groups"].values()}
+        results[name] = {"losses": losses, "params": params_of(model), "modes": sorted(modes)}
+    return results
+
+
 def scenario_cross_path(rank, hvd):
     """One checkpoint format on both paths: the Horovod optimizer's gradcomp state loads into a
     DDP hook's state (over torch.distributed Gloo beside Horovod, same ranks) and back, through
     torch.save/torch.load(weights_only=True); both report stats() of one shape."""
-    import socket
-
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -300,11 +329,9 @@ def scenario_cross_path(rank, hvd):
         buffer.seek(0)
         return torch.load(buffer, weights_only=True)
 
-    port = None
-    if rank == 0:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+    from multiprocess import free_port
+
+    port = free_port() if rank == 0 else None
     port = hvd.broadcast_object(port, root_rank=0, name="gradcomp.test.port")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
@@ -352,6 +379,8 @@ def main(out_dir: str) -> None:
     results["nonfinite"] = scenario_nonfinite(rank)
     results["convergence"] = scenario_convergence(rank, hvd)
     results["cross_path"] = scenario_cross_path(rank, hvd)
+    results["refused"] = scenario_refused(rank, hvd)
+    results["exchange_and_policy"] = scenario_exchange_and_policy(rank, hvd)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     torch.save(results, path + ".tmp")
     os.replace(path + ".tmp", path)

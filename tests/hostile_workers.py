@@ -1,17 +1,13 @@
 """Rank entry points for ``test_hostile_peers.py``: 2 real Gloo ranks under DDP where one
 rank corrupts its top-k payload after compressing it.
 
-Each worker is a top-level function so that ``torch.multiprocessing`` can spawn it; each
+Each worker is a top-level function that ``multiprocess.spawn(..., pass_out_dir=True)`` runs; each
 writes what it saw with ``torch.save`` to ``out_dir/rank{r}.pt``.
 """
-import datetime
 import os
-import socket
 import traceback
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
@@ -20,54 +16,13 @@ from gradcomp.hooks import ddp as gc_ddp
 CORRUPTIONS = ("out_of_range", "negative", "duplicate", "unsorted", "twobit_bytes", "random_bytes")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def spawn(worker, world_size, out_dir, *args, timeout_s=240, pg_timeout_s=60):
-    """Run ``worker(rank, world_size, out_dir, *args)`` on ``world_size`` Gloo ranks.
-
-    Returns ``(results, exit codes)``; ``results[r]`` is what rank ``r`` saved, or ``None``.
-    A rank still alive after ``timeout_s`` is killed (exit code then negative).
-    """
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_entry, args=(worker, rank, world_size, port, out_dir, args, pg_timeout_s))
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout_s)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    results = []
-    for rank in range(world_size):
-        path = os.path.join(out_dir, f"rank{rank}.pt")
-        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
-    return results, [proc.exitcode for proc in procs]
-
-
-def _entry(worker, rank, world_size, port, out_dir, args, pg_timeout_s):
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
-    try:
-        worker(rank, world_size, out_dir, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def corrupt(payload, corruption: str, seed: int = 0) -> None:
+def corrupt(payload, corruption: str, seed: int = 0) -> bool:
     """Overwrite a top-k payload in place, as a faulty or malicious peer would; its size and
-    layout stay the same, so the allgather itself succeeds and only validation can tell."""
+    layout stay the same, so the allgather itself succeeds and only validation can tell.
+    Returns whether the payload changed (reordering needs at least two indices)."""
     indices = payload["indices"]
+    if corruption in ("duplicate", "unsorted") and indices.numel() < 2:
+        return False
     if corruption == "out_of_range":
         indices[-1] = torch.iinfo(indices.dtype).max
     elif corruption == "negative":
@@ -83,6 +38,7 @@ def corrupt(payload, corruption: str, seed: int = 0) -> None:
         payload.buffer.copy_(torch.randint(0, 256, payload.buffer.shape, dtype=torch.uint8, generator=generator))
     else:
         raise ValueError(f"unknown corruption {corruption!r}; known: {CORRUPTIONS}")
+    return True
 
 
 def corrupting_topk(density: float, corruption: str, armed: dict) -> gradcomp.TopK:
@@ -97,8 +53,7 @@ def corrupting_topk(density: float, corruption: str, armed: dict) -> gradcomp.To
 
     def compress(*args, **kwargs):
         payload = honest_compress(*args, **kwargs)
-        if armed["on"]:
-            corrupt(payload, corruption, seed=armed["calls"])
+        if armed["on"] and corrupt(payload, corruption, seed=armed["calls"]):
             armed["calls"] += 1
         return payload
 

@@ -32,7 +32,7 @@ def nonfinite_run(rank, world_size, spec, schedule, bad_rank):
         optimizer.zero_grad()
         x, y = batch(rank, data_step)
         if poisoned:
-            record["residuals_before"] = state.residuals.state_dict()["residuals"]
+            record["residuals_before"] = state.residual_memory.state_dict()["residuals"]
             if rank == bad_rank:
                 x = x.clone()
                 x[0, 0] = float("inf")
@@ -40,7 +40,7 @@ def nonfinite_run(rank, world_size, spec, schedule, bad_rank):
         finite = _all_finite(model)
         if poisoned:
             record["finite_at_bad_step"] = finite
-            record["residuals_after"] = state.residuals.state_dict()["residuals"]
+            record["residuals_after"] = state.residual_memory.state_dict()["residuals"]
         if finite:
             optimizer.step()
     record["params"] = _params(model)
@@ -95,7 +95,7 @@ def mixed_precision_run(rank, world_size, dtype, specs, steps):
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-        residual_dtypes = {str(state.residuals.residual(key).dtype) for key in state.residuals.keys()}
+        residual_dtypes = {str(state.residual_memory.residual(key).dtype) for key in state.residual_memory.keys()}
         grad_dtypes = {str(p.grad.dtype) for p in model.parameters()}
         results[spec] = {"params": _params(model), "losses": losses, "residual_dtypes": residual_dtypes,
                          "grad_dtypes": grad_dtypes}

@@ -3,9 +3,11 @@ exchanged, instead of a Gloo abort, a segfault, a hang or a silent divergence. R
 import pytest
 
 import reliability_workers as rw
-from ddp_workers import spawn
 from gradcomp import Auto
 from gradcomp.agreement import AGREEMENT_FIELDS
+from multiprocess import spawn
+
+pytestmark = pytest.mark.multiprocess
 
 BASE = {"warmup_steps": 0, "min_numel": 0}
 CASES = [
@@ -67,7 +69,7 @@ def test_agreeing_ranks_pay_one_tiny_collective_per_bucket_at_set_up_and_rebuild
         assert agreement["bytes_sent"] == 2 * 8 * len(AGREEMENT_FIELDS) == 2 * 88
 
 
-@pytest.mark.parametrize("cls", ["Auto", "DGC", "CompressedAdamW"])
+@pytest.mark.parametrize("cls", ["Auto", "DGC", "CompressedAdamW", "FrozenVarianceAdam"])
 def test_every_argument_of_a_slot_is_one_of_its_settings(cls):
     """The fingerprint is each slot's settings(): an argument added to __init__ without a settings()
     entry would let ranks differ in it unnoticed."""
@@ -75,7 +77,7 @@ def test_every_argument_of_a_slot_is_one_of_its_settings(cls):
 
     import torch
 
-    from gradcomp.optim import DGC, CompressedAdamW
+    from gradcomp.optim import DGC, CompressedAdamW, FrozenVarianceAdam
 
     model = torch.nn.Linear(4, 2)
     if cls == "Auto":
@@ -84,6 +86,9 @@ def test_every_argument_of_a_slot_is_one_of_its_settings(cls):
     elif cls == "DGC":
         slot = DGC(model.named_parameters(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         init, exempt = DGC.__init__, set()
+    elif cls == "FrozenVarianceAdam":
+        slot = FrozenVarianceAdam(torch.optim.AdamW(model.parameters()), model.named_parameters(), freeze_step=20)
+        init, exempt = FrozenVarianceAdam.__init__, set()
     else:
         optimizer = CompressedAdamW(model.named_parameters())
         slot, init, exempt = optimizer.transform, CompressedAdamW.__init__, set()

@@ -1,7 +1,6 @@
 """Checkpoints load transactionally (validate everything, then assign), and bad settings fail at
 ``register()`` before any training step. In-process: one Gloo rank where DDP needs a group."""
 import datetime
-import socket
 import warnings
 
 import pytest
@@ -13,6 +12,7 @@ import gradcomp
 from ddp_workers import make_model
 from gradcomp.hooks import ddp as gc_ddp
 from gradcomp.schedule import DenseWarmup
+from multiprocess import free_port
 
 
 def make_state(compressor=None, **kwargs):
@@ -145,9 +145,7 @@ def test_a_good_checkpoint_round_trips():
 # -- fail at register(), before any step ---------------------------------------------------------------
 @pytest.fixture
 def one_rank_group():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))  # fmt: skip
     try:

@@ -9,18 +9,13 @@ Measured before the fix (2-rank TopK jobs, 2 Numba threads, a loaded 2-core mach
 jobs aborted with the default switch interval, 4 of 14 with the worker's long one; after: 0.
 """
 import os
-import socket
 import subprocess
 import sys
 
+from multiprocess import free_port
+
 WORKER = os.path.join(os.path.dirname(__file__), "clean_exit_worker.py")
 RUNS = 30
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _job(compressor: str, world_size: int = 2, timeout_s: float = 120.0):
@@ -28,7 +23,7 @@ def _job(compressor: str, world_size: int = 2, timeout_s: float = 120.0):
     # The product's default thread count (one per core), not the suite's single thread: the
     # parallel kernels must really run on a pool started from Gloo's callback thread.
     env = {**os.environ, "NUMBA_NUM_THREADS": str(max(2, os.cpu_count() or 2)), "OMP_NUM_THREADS": "1"}
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen([sys.executable, WORKER, str(rank), str(world_size), str(port), compressor],
                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import commit_workers as workers
-from ddp_workers import spawn
+from multiprocess import spawn
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "two_phase"])

@@ -185,16 +185,16 @@ def test_decompress_into_low_precision_output(compressor):
 
 
 # -- validation -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("ratio", [0, -0.1, 1.5, float("nan"), float("inf")])
-def test_topk_rejects_ratio_outside_range(ratio):
-    with pytest.raises(ValueError, match=r"ratio.*\(0, 1\]"):
-        gradcomp.TopK(ratio)
+@pytest.mark.parametrize("density", [0, -0.1, 1.5, float("nan"), float("inf")])
+def test_topk_rejects_density_outside_range(density):
+    with pytest.raises(ValueError, match=r"density.*\(0, 1\]"):
+        gradcomp.TopK(density)
 
 
-@pytest.mark.parametrize("ratio", ["0.1", None, True])
-def test_topk_rejects_non_numbers(ratio):
-    with pytest.raises(TypeError, match="ratio"):
-        gradcomp.TopK(ratio)
+@pytest.mark.parametrize("density", ["0.1", None, True])
+def test_topk_rejects_non_numbers(density):
+    with pytest.raises(TypeError, match="density"):
+        gradcomp.TopK(density)
 
 
 @pytest.mark.parametrize("threshold", [0, -1.0, float("nan"), float("inf"), 1e-50])

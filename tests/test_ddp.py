@@ -9,6 +9,7 @@ import torch
 
 import ddp_workers as workers
 import gradcomp
+import multiprocess
 from gradcomp.hooks import ddp as gc_ddp
 
 
@@ -26,14 +27,15 @@ def topk_by_hand(acc, ratio):
     return sent
 
 
-def simulate(spec, steps, world_size, warmup_steps, model_kind, lr=0.05):
+def simulate(spec, steps, world_size, warmup_steps, model_kind, lr=0.05, granularity="parameter"):
     """Averaged gradient per step and parameter, computed in one process.
 
     Each rank's gradient comes from a local copy of the model; warm-up steps average as
     DDP does (divide, then sum); compressed steps apply ``acc = g + e``, the compressor
     rule written out by hand, ``e = acc - sent`` and ``(sent_0 + ... + sent_{P-1}) / P``.
-    TwoBit is elementwise, so bucket boundaries do not matter; TopK runs over all
-    parameters at once, so use it with a single-bucket model.
+    With ``granularity="parameter"`` (the engine's default) each parameter is compressed
+    alone; with ``"bucket"`` TopK runs over all parameters at once, so use it with a
+    single-bucket model (TwoBit with a fixed threshold is elementwise either way).
     """
     name, arg = spec
     model = workers.make_model(model_kind)
@@ -54,7 +56,12 @@ def simulate(spec, steps, world_size, warmup_steps, model_kind, lr=0.05):
             total = None
             for rank in range(world_size):
                 acc = torch.cat([local[rank][n].view(-1) + residuals[rank][n] for n in names])
-                sent = twobit_by_hand(acc, arg) if name == "twobit" else topk_by_hand(acc, arg)
+                by_hand = (lambda a: twobit_by_hand(a, arg)) if name == "twobit" else (lambda a: topk_by_hand(a, arg))
+                if granularity == "bucket":
+                    sent = by_hand(acc)
+                else:
+                    sizes = [residuals[rank][n].numel() for n in names]
+                    sent = torch.cat([by_hand(piece) for piece in acc.split(sizes)])
                 offset = 0
                 for n in names:
                     size = residuals[rank][n].numel()
@@ -83,39 +90,41 @@ def assert_grads_equal(recorded, simulated):
 # -- tests ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_identity_hook_gives_the_same_gradients_as_ddp_without_hook(tmp_path, world_size):
-    results = workers.spawn(workers.identity_vs_builtin, world_size, str(tmp_path), 5)
+    results = multiprocess.spawn(workers.identity_vs_builtin, world_size, str(tmp_path), 5)
     for result in results:
         assert_grads_equal(result["identity"], result["builtin"])
 
 
 CASES = [
-    # (compressor spec, world size, warm-up steps)
-    (("topk", 0.01), 2, 2),
-    (("twobit", 0.02), 2, 2),
-    (("topk", 0.01), 3, 0),
-    (("twobit", 0.02), 3, 0),
+    # (compressor spec, world size, warm-up steps, granularity)
+    (("topk", 0.01), 2, 2, "parameter"),
+    (("twobit", 0.02), 2, 2, "parameter"),
+    (("topk", 0.01), 3, 0, "parameter"),
+    (("twobit", 0.02), 3, 0, "parameter"),
+    (("topk", 0.01), 2, 2, "bucket"),
 ]
 
 
-@pytest.mark.parametrize("spec,world_size,warmup", CASES, ids=lambda c: str(c))
-def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp_path, spec, world_size, warmup):
+@pytest.mark.parametrize("spec,world_size,warmup,granularity", CASES, ids=lambda c: str(c))
+def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp_path, spec, world_size, warmup,
+                                                                             granularity):
     steps = 20
-    results = workers.spawn(
+    results = multiprocess.spawn(
         workers.train_and_record, world_size, str(tmp_path), spec, steps, "mlp",
-        {"warmup_steps": warmup, "min_numel": 0},
+        {"warmup_steps": warmup, "min_numel": 0, "granularity": granularity},
     )  # fmt: skip
     for rank in range(1, world_size):
         for name, value in results[0]["params"].items():
             assert torch.equal(results[rank]["params"][name], value), f"rank {rank} diverged in {name}"
     compressed_steps = [s for s, _, _ in results[0]["layouts"] if s >= warmup]
     assert len(compressed_steps) >= steps - warmup  # the compressed path really ran
-    assert_grads_equal(results[0]["grads"], simulate(spec, steps, world_size, warmup, "mlp"))
+    assert_grads_equal(results[0]["grads"], simulate(spec, steps, world_size, warmup, "mlp", granularity=granularity))
 
 
 def test_residuals_follow_their_parameters_across_the_bucket_rebuild(tmp_path):
     # Compression from step 0, so residuals exist before DDP rebuilds its buckets.
     spec, steps = ("twobit", 0.02), 6
-    results = workers.spawn(
+    results = multiprocess.spawn(
         workers.train_and_record, 2, str(tmp_path), spec, steps, "shuffled",
         {"warmup_steps": 0, "min_numel": 0}, {"bucket_cap_mb": 0.001},
     )
@@ -127,13 +136,13 @@ def test_residuals_follow_their_parameters_across_the_bucket_rebuild(tmp_path):
 
 
 def test_error_feedback_keeps_topk_within_5_percent_of_dense_and_beats_no_feedback(tmp_path):
-    loss = workers.spawn(workers.convergence, 2, str(tmp_path), 200, 0.01, 0.1)[0]
+    loss = multiprocess.spawn(workers.convergence, 2, str(tmp_path), 200, 0.01, 0.1)[0]
     assert loss["topk_ef"] <= 1.05 * loss["dense"], loss
     assert loss["topk_no_ef"] > 1.5 * loss["topk_ef"], loss
 
 
 def test_stats_report_exactly_the_bytes_handed_to_the_collectives(tmp_path):
-    results = workers.spawn(workers.count_collective_bytes, 2, str(tmp_path), 4)
+    results = multiprocess.spawn(workers.count_collective_bytes, 2, str(tmp_path), 4)
     for result in results:
         assert [r["bytes_sent"] for r in result["reported"]] == result["handed"]
         assert result["total"] == sum(result["handed"])
@@ -151,11 +160,11 @@ def test_state_pickles_without_its_process_group():
     model = torch.nn.Linear(4, 2)
     named = model.named_parameters()
     state = gc_ddp.CompressionState(gradcomp.TopK(0.1), process_group=object(), named_parameters=named)
-    state.residuals.buffers(["weight"], [8], "cpu")[0].fill_(3.0)
+    state.residual_memory.buffers(["weight"], [8], "cpu")[0].fill_(3.0)
     state.step = 7
     clone = pickle.loads(pickle.dumps(state))
-    assert clone.process_group is None and clone.step == 7 and clone.compressor.ratio == 0.1
-    assert torch.equal(clone.residuals.residual("weight"), torch.full((8,), 3.0))
+    assert clone.process_group is None and clone.step == 7 and clone.engine.compressor.density == 0.1
+    assert torch.equal(clone.residual_memory.residual("weight"), torch.full((8,), 3.0))
 
 
 @pytest.mark.parametrize(
@@ -182,7 +191,7 @@ def test_register_needs_a_ddp_model():
 
 def test_state_dict_without_parameter_names_says_how_to_fix_it():
     state = gc_ddp.CompressionState(gradcomp.TopK(0.1))
-    state.residuals.buffers([("id", 1)], [4], "cpu")
+    state.residual_memory.buffers([("id", 1)], [4], "cpu")
     with pytest.raises(RuntimeError, match="named_parameters"):
         state.state_dict()
 
@@ -192,8 +201,8 @@ def test_hook_uses_numba_automatically_on_cpu_and_matches_the_torch_backend(tmp_
     monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)
     (tmp_path / "auto").mkdir(), (tmp_path / "torch").mkdir()
     kwargs = {"warmup_steps": 0, "min_numel": 0}
-    auto = workers.spawn(workers.train_and_record, 2, str(tmp_path / "auto"), spec, 6, "mlp", kwargs)
-    reference = workers.spawn(
+    auto = multiprocess.spawn(workers.train_and_record, 2, str(tmp_path / "auto"), spec, 6, "mlp", kwargs)
+    reference = multiprocess.spawn(
         workers.train_and_record, 2, str(tmp_path / "torch"), spec, 6, "mlp", {**kwargs, "backend": "torch"}
     )
     assert {b["backend"] for b in auto[0]["stats"]["last_step"]["groups"].values()} == {"numba"}

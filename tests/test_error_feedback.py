@@ -5,18 +5,18 @@ import io
 import pytest
 import torch
 
-import gradcomp
+from gradcomp.error_feedback import ErrorFeedback
 
 
 def test_new_keys_start_at_zero_and_residuals_are_float32():
-    ef = gradcomp.ErrorFeedback()
+    ef = ErrorFeedback()
     current, spare = ef.buffers(["a", "b"], [3, 2], "cpu")
     assert current.dtype == spare.dtype == torch.float32
     assert torch.equal(current, torch.zeros(5)) and spare.shape == (5,)
 
 
 def test_commit_swaps_in_the_new_residual_and_rejection_keeps_the_old():
-    ef = gradcomp.ErrorFeedback()
+    ef = ErrorFeedback()
     current, spare = ef.buffers(["a"], [4], "cpu")
     spare.fill_(1.0)
     ef.commit(["a"])
@@ -28,7 +28,7 @@ def test_commit_swaps_in_the_new_residual_and_rejection_keeps_the_old():
 
 
 def test_residuals_follow_keys_when_groups_are_laid_out_differently():
-    ef = gradcomp.ErrorFeedback()
+    ef = ErrorFeedback()
     current, spare = ef.buffers(["w1", "b1", "w2"], [4, 2, 3], "cpu")
     spare.copy_(torch.arange(9.0))
     ef.commit(["w1", "b1", "w2"])
@@ -41,21 +41,21 @@ def test_residuals_follow_keys_when_groups_are_laid_out_differently():
 
 
 def test_a_size_mismatch_is_an_error_not_a_silent_reset():
-    ef = gradcomp.ErrorFeedback()
+    ef = ErrorFeedback()
     ef.buffers(["w"], [4], "cpu")
     with pytest.raises(ValueError, match="elements"):
         ef.buffers(["w", "x"], [5, 1], "cpu")
 
 
 def test_state_dict_round_trips_through_torch_save_with_weights_only():
-    ef = gradcomp.ErrorFeedback()
+    ef = ErrorFeedback()
     _, spare = ef.buffers(["w1", "b1"], [3, 2], "cpu")
     spare.copy_(torch.tensor([1.0, 2, 3, 4, 5]))
     ef.commit(["w1", "b1"])
     blob = io.BytesIO()
     torch.save(ef.state_dict(), blob)
     blob.seek(0)
-    restored = gradcomp.ErrorFeedback()
+    restored = ErrorFeedback()
     restored.load_state_dict(torch.load(blob, weights_only=True))
     # Loaded residuals land in whatever layout asks for them first.
     current, _ = restored.buffers(["b1", "w1"], [2, 3], "cpu")
@@ -63,7 +63,7 @@ def test_state_dict_round_trips_through_torch_save_with_weights_only():
 
 
 def test_load_state_dict_rejects_malformed_input_and_resets_non_finite():
-    ef = gradcomp.ErrorFeedback()
+    ef = ErrorFeedback()
     with pytest.raises(ValueError, match="residuals"):
         ef.load_state_dict({"w": torch.zeros(3)})
     with pytest.raises(ValueError, match="1-D float"):

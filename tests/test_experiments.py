@@ -173,8 +173,8 @@ def test_gradcomp_methods_build_their_compressor_from_the_registry():
 
     args = train.parse_args(["--compressor", "topk", "--density", "0.003", "--threshold", "0.02"])
     assert train.compressor_for(catalog.METHODS["topk"], args).spec == "topk:0.003"
-    old_name = train.parse_args(["--compressor", "topk", "--ratio", "0.003"])  # --ratio: the older name
-    assert train.compressor_for(catalog.METHODS["topk"], old_name).spec == "topk:0.003"
+    with pytest.raises(SystemExit):  # one name: --density
+        train.parse_args(["--compressor", "topk", "--ratio", "0.003"])
     assert train.compressor_for(catalog.METHODS["twobit-noef"], args).spec == "twobit:0.019999999552965164"
     assert train.compressor_for(catalog.METHODS["twobit"], args, 0.25).spec == "twobit:0.25"
     rms = train.parse_args(["--threshold", "rms"])

@@ -9,7 +9,7 @@ CI builds it (scripts/build_horovod.sh).
 """
 import math
 import os
-import signal
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +20,8 @@ import torch
 
 import gradcomp
 import horovod_worker as worker
+import multiprocess
+from gradcomp.telemetry import MODES
 
 try:
     import horovod
@@ -31,6 +33,7 @@ try:
 except ImportError as error:  # reported by the fixture below as a failure, not a skip
     HOROVOD_ERROR = error
 
+pytestmark = [pytest.mark.horovod, pytest.mark.multiprocess]
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT_S = 300
 
@@ -44,31 +47,13 @@ def require_horovod():
         )
 
 
-def horovodrun() -> str:
-    beside_python = Path(sys.executable).parent / "horovodrun"
-    return str(beside_python) if beside_python.exists() else "horovodrun"
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' results from one horovodrun job."""
     if HOROVOD_ERROR is not None:
         pytest.fail(f"Horovod is not importable ({HOROVOD_ERROR}); build it with scripts/build_horovod.sh")
     out = tmp_path_factory.mktemp("horovod")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), str(REPO), env.get("PYTHONPATH")]))
-    command = [horovodrun(), "-np", str(worker.WORLD_SIZE), "--gloo", "-H", f"localhost:{worker.WORLD_SIZE}",
-               sys.executable, str(REPO / "tests" / "horovod_worker.py"), str(out)]  # fmt: skip
-    # A session of its own, so that a timeout can end horovodrun and every rank it started.
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"horovodrun did not finish in {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"horovodrun exited with {proc.returncode}:\n{output[-4000:]}"
+    multiprocess.horovodrun(REPO / "tests" / "horovod_worker.py", [str(out)], worker.WORLD_SIZE, LAUNCH_TIMEOUT_S)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(worker.WORLD_SIZE)]
 
 
@@ -136,7 +121,9 @@ def simulate(cfg):
                     acc = flats[rank].float()
                     if feedback:
                         acc = acc + residuals[rank].get(unit, torch.zeros_like(acc))
-                    sent = sent_by_hand(spec, acc, dtype)
+                    # The engine compresses each parameter of a group on its own (granularity "parameter").
+                    sizes = [local[0][n].numel() for n in unit]
+                    sent = torch.cat([sent_by_hand(spec, piece, dtype) for piece in acc.split(sizes)])
                     if feedback:
                         residuals[rank][unit] = acc - sent
                     total = total + sent
@@ -351,6 +338,29 @@ def test_horovod_and_ddp_report_stats_of_one_shape(ranks):
     assert stats["horovod"]["agreement"]["collectives"] >= 1 and stats["ddp"]["agreement"]["collectives"] >= 1
 
 
+@pytest.mark.parametrize(
+    "name,expected", [("topk", r"compression=TopK\(density=0\.01\)\)$"), ("fp16", r"Compression\.wrap\(FP16\(\)\)")]
+)
+def test_horovods_own_optimizer_refuses_a_gradcomp_compressor_and_names_the_right_call(ranks, name, expected):
+    for rank in ranks:
+        kind, message = rank["refused"][name]
+        assert kind == "TypeError", message
+        assert "hvd.DistributedOptimizer(compression=...)" in message
+        assert "gradcomp.hooks.horovod.DistributedOptimizer(opt, named_parameters=model.named_parameters()" in message
+        assert re.search(expected, message), message
+
+
+@pytest.mark.parametrize("name,mode", [("two_phase", "two_phase"), ("auto", None)])
+def test_dropin_takes_exchange_and_policy_as_the_ddp_hook_does(ranks, name, mode):
+    first, second = (r["exchange_and_policy"][name] for r in ranks)
+    for param in first["params"]:
+        assert bitwise_equal(first["params"][param], second["params"][param]), f"{name}: {param} differs"
+    assert all(torch.isfinite(torch.tensor(first["losses"])))
+    assert first["modes"] == second["modes"] and set(first["modes"]) <= set(MODES), first["modes"]
+    if mode is not None:  # groups with fewer elements than ranks fall back to allgather
+        assert mode in first["modes"] and set(first["modes"]) <= {mode, "allgather"}, first["modes"]
+
+
 # -- in-process: the compression protocol and argument checks -----------------------------
 @pytest.mark.parametrize("compressor", [gradcomp.TopK(0.01), gradcomp.TwoBit(0.5)])
 def test_wrapping_a_non_summable_compressor_says_what_to_use(compressor):
@@ -390,7 +400,7 @@ def test_dropin_argument_errors_say_how_to_fix_them():
     sgd = worker.make_sgd(model)
     with pytest.raises(ValueError, match="named_parameters=model.named_parameters()"):
         gc_hvd.DistributedOptimizer(sgd, compression=gradcomp.TopK(0.01))
-    with pytest.raises(ValueError, match=r"op=hvd\.Average"):
+    with pytest.raises(ValueError, match=r"^op=hvd\.Adasum cannot combine.*op=hvd\.Average"):
         gc_hvd.DistributedOptimizer(sgd, model.named_parameters(), gradcomp.TwoBit(0.5), op=hvd.Adasum)
     with pytest.raises(TypeError, match="instance"):
         gc_hvd.DistributedOptimizer(sgd, model.named_parameters(), gradcomp.TopK)

@@ -4,7 +4,7 @@ the warm-up boundary and the variance freeze."""
 import pytest
 import torch
 
-import ddp_workers
+import multiprocess
 import optim_workers
 
 STEPS = 9  # dense warm-up, two ramp stages, then the final density (and the Adam freeze at 3)
@@ -18,7 +18,7 @@ def assert_params_equal(a, b, what):
 
 @pytest.mark.parametrize("kind", ["dgc", "adam"])
 def test_matches_independent_simulation_and_replicas_agree(kind, tmp_path):
-    ranks = ddp_workers.spawn(optim_workers.train_worker, 2, str(tmp_path), kind, STEPS)
+    ranks = multiprocess.spawn(optim_workers.train_worker, 2, str(tmp_path), kind, STEPS)
     assert_params_equal(ranks[0]["params"], ranks[1]["params"], "replicas")
     expected = optim_workers.simulate(kind, STEPS)
     assert_params_equal(ranks[0]["params"], expected, "DDP vs simulation")
@@ -35,7 +35,7 @@ def test_checkpoint_resume_is_bitwise(kind, split, tmp_path):
     5 / 4: inside the ramp, with velocities, residuals and the frozen variance saved."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    straight = ddp_workers.spawn(optim_workers.train_worker, 2, str(tmp_path / "a"), kind, STEPS)
-    resumed = ddp_workers.spawn(optim_workers.resume_worker, 2, str(tmp_path / "b"), kind, STEPS, split)
+    straight = multiprocess.spawn(optim_workers.train_worker, 2, str(tmp_path / "a"), kind, STEPS)
+    resumed = multiprocess.spawn(optim_workers.resume_worker, 2, str(tmp_path / "b"), kind, STEPS, split)
     for rank in range(2):
         assert_params_equal(straight[rank]["params"], resumed[rank]["params"], f"rank {rank} resumed at {split}")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import gradcomp
+from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.optim import DGC, CompressedAdamW
 
 
@@ -66,7 +67,7 @@ def test_dgc_masking_defaults_off_for_quantizers():
 def test_dgc_rescales_velocity_and_residuals_when_the_lr_changes():
     net = small_net()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.0)
-    residuals = gradcomp.ErrorFeedback()
+    residuals = ErrorFeedback()
     residuals.buffers(["0.bias"], [10], "cpu")[0].fill_(1.0)
     dgc = DGC(net.named_parameters(), momentum=0.5, optimizer=optimizer, rescale_on_lr_change=True,
               residual_memory=residuals)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import ddp_workers
+import multiprocess
 import policy_workers as workers
 from gradcomp import costmodel
 from gradcomp.policy import Auto
@@ -16,7 +16,7 @@ STEPS = 5
 
 
 def run(tmp_path, link_s_by_rank, kernel_scale_by_rank):
-    return ddp_workers.spawn(workers.auto_worker, 2, str(tmp_path), link_s_by_rank, kernel_scale_by_rank, STEPS,
+    return multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), link_s_by_rank, kernel_scale_by_rank, STEPS,
                              timeout_s=240)
 
 
@@ -56,7 +56,7 @@ def test_a_nan_measurement_on_one_rank_is_dropped_by_every_rank(tmp_path):
 
 
 def test_no_valid_link_time_anywhere_raises_the_same_error_on_every_rank(tmp_path):
-    results = ddp_workers.spawn(workers.auto_error_worker, 2, str(tmp_path), [math.nan, math.inf], [1.0, 1.0],
+    results = multiprocess.spawn(workers.auto_error_worker, 2, str(tmp_path), [math.nan, math.inf], [1.0, 1.0],
                                 STEPS, timeout_s=240, pg_timeout_s=30)
     errors = [r.get("error") for r in results]
     assert errors[0] is not None and errors[0] == errors[1], errors
@@ -73,7 +73,7 @@ def test_very_fast_link_stays_dense_and_ranks_agree(tmp_path):
 def test_a_link_that_changes_is_measured_and_decided_again(tmp_path):
     # Warm-up measures a very slow link (compression); the exchanges afterwards take ~nothing, so at the
     # check after 2 compressed steps the link is rescaled and every group goes dense.
-    results = ddp_workers.spawn(workers.auto_worker, 2, str(tmp_path), "drift", None, 7, 2, timeout_s=240)
+    results = multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), "drift", None, 7, 2, timeout_s=240)
     choices = check_agreement_and_replicas(results)
     assert set(choices.values()) == {"dense"}, choices
     modes = results[0]["modes"]

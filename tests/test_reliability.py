@@ -7,7 +7,7 @@ import torch
 
 import gradcomp
 import reliability_workers as rw
-from ddp_workers import spawn
+from multiprocess import spawn
 
 SPECS = [("topk", 0.01), ("twobit", 0.02)]
 

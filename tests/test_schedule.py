@@ -7,7 +7,7 @@ from gradcomp.schedule import DGC_DENSITIES, DenseWarmup, SparsityRamp, recommen
 
 
 def density(compressor):
-    return getattr(compressor, "density", None) or compressor.ratio
+    return compressor.density
 
 
 def test_dense_warmup_then_base():

@@ -12,8 +12,10 @@ import random
 
 import pytest
 
-import ddp_workers
 import settings_fuzz_workers as workers
+from multiprocess import spawn
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 COUNTS = {2: 110, 3: 70, 4: 60}  # configurations per world size (>= 200 in all)
 DEADLINE_S = 150  # per world size; the ranks stop together past it (the test then fails)
@@ -101,7 +103,7 @@ def draw(world_size, count, seed):
 @pytest.mark.parametrize("world_size", sorted(COUNTS))
 def test_drawn_settings_run_alike_or_fail_alike_at_step_0(tmp_path, world_size):
     configs = draw(world_size, COUNTS[world_size], seed=world_size)
-    results, codes = ddp_workers.spawn(workers.fuzz_worker, world_size, str(tmp_path), configs, DEADLINE_S,
+    results, codes = spawn(workers.fuzz_worker, world_size, str(tmp_path), configs, DEADLINE_S,
                                        timeout_s=DEADLINE_S + 120, pg_timeout_s=30, check=False)
     assert codes == [0] * world_size, f"ranks exited with {codes} (a signal, a crash or a hang)"
     assert "stopped" not in results[0], f"the deadline passed after {len(results[0]) - 1} configurations"

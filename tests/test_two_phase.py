@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-import ddp_workers
+import multiprocess
 import two_phase_workers as workers
 from gradcomp import from_spec
 from gradcomp.costmodel import Cluster, Link, predict
@@ -22,7 +22,7 @@ CASES = [(3, "topk:0.05"), (4, "topk:0.05"), (3, "twobit:rms"), (4, "twobit:0.5"
 
 @functools.lru_cache(maxsize=None)
 def ranks(world_size, spec, tmp_root):
-    return ddp_workers.spawn(workers.engine_worker, world_size, tmp_root, spec, STEPS, SPLIT, NAN_AT, NAN_RANK,
+    return multiprocess.spawn(workers.engine_worker, world_size, tmp_root, spec, STEPS, SPLIT, NAN_AT, NAN_RANK,
                              timeout_s=240)
 
 
@@ -137,7 +137,7 @@ def test_ddp_hook_replicas_agree():
     import tempfile
 
     with tempfile.TemporaryDirectory() as root:
-        results = ddp_workers.spawn(workers.ddp_worker, 4, root, "twobit:rms", 4, timeout_s=240)
+        results = multiprocess.spawn(workers.ddp_worker, 4, root, "twobit:rms", 4, timeout_s=240)
     for result in results[1:]:
         assert all(same_bits(a, b) for a, b in zip(result["params"], results[0]["params"]))
     assert "two_phase" in results[0]["modes"].values()
@@ -223,7 +223,7 @@ def test_a_loaded_owner_residual_of_another_size_is_dropped_at_first_use_and_sta
 
 
 def test_ranks_with_different_exchanges_fail_before_exchanging(tmp_path):
-    results = ddp_workers.spawn(workers.mismatch_worker, 2, str(tmp_path), "topk:0.05", timeout_s=240)
+    results = multiprocess.spawn(workers.mismatch_worker, 2, str(tmp_path), "topk:0.05", timeout_s=240)
     for result in results:
         assert result["error"] is not None and "ranks disagree on exchange" in result["error"], result
         assert result["handed"] == []

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import abc
+import functools
+import sys
 from typing import ClassVar, Optional
 
 import torch
@@ -24,6 +26,39 @@ def check_gradient(tensor: torch.Tensor) -> None:
         raise ValueError(f"expected a flat contiguous tensor, got shape {tuple(tensor.shape)}; pass tensor.view(-1)")
 
 
+def refused_by_horovod(compressor: "Compressor") -> TypeError:
+    """The error for a compressor given to Horovod's own ``hvd.DistributedOptimizer(compression=...)``."""
+    # A summable payload fits Horovod's allreduce once wrapped as a Horovod compression class.
+    instead = f"compression=gradcomp.hooks.horovod.Compression.wrap({compressor!r}) with hvd's optimizer, or " \
+        if compressor.summable else ""
+    return TypeError(
+        f"{compressor!r} was passed to Horovod's own hvd.DistributedOptimizer(compression=...), which "
+        "expects a Horovod compression class (compress(t) -> (t, ctx)) and cannot carry gradcomp "
+        f"payloads. Use {instead}the drop-in optimizer with the same arguments: "
+        "gradcomp.hooks.horovod.DistributedOptimizer(opt, named_parameters=model.named_parameters(), "
+        f"compression={compressor!r})"
+    )
+
+
+def _refuse_horovod_callers(compress):
+    """Wrap a ``compress`` so that a call from Horovod's optimizer raises :func:`refused_by_horovod`.
+
+    Horovod 0.28.1 only stores ``compression`` when its optimizer is built
+    (``horovod/torch/optimizer.py``, ``self._compression = compression``) and first calls
+    ``compression.compress(grad)`` from the gradient hook in the first ``backward()``; that call
+    is the earliest point gradcomp sees. Without this check it would fail further on, with a
+    ``KeyError`` or a shape error that says nothing of the fix.
+    """
+
+    @functools.wraps(compress)
+    def checked(self, *args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("horovod."):
+            raise refused_by_horovod(self)
+        return compress(self, *args, **kwargs)
+
+    return checked
+
+
 class Compressor(abc.ABC):
     """Stateless, communication-free compression of one flat tensor (abstract base class).
 
@@ -31,7 +66,7 @@ class Compressor(abc.ABC):
     validation rely on it):
 
     1. **No state, no communication.** A compressor holds only its settings; error feedback
-       (:class:`gradcomp.ErrorFeedback`), schedules and exchanges live elsewhere. Two
+       (:class:`gradcomp.error_feedback.ErrorFeedback`), schedules and exchanges live elsewhere. Two
        compressors with equal settings behave identically on every rank.
     2. **Fixed-size payloads.** :meth:`layout` depends only on ``(numel, dtype)`` and the
        settings, never on the data, so every rank sends the same number of bytes and
@@ -60,6 +95,14 @@ class Compressor(abc.ABC):
     summable: ClassVar[bool] = False
     #: Whether error feedback applies (a lossless or cast-only payload needs none).
     uses_error_feedback: ClassVar[bool] = False
+    #: Whether a payload sends some entries whole and the rest not at all (top-k), so that
+    #: :meth:`sent_indices` names them; quantizers send every entry approximately.
+    sparsifies: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "compress" in vars(cls) and not getattr(cls.compress, "__isabstractmethod__", False):
+            cls.compress = _refuse_horovod_callers(vars(cls)["compress"])
 
     @abc.abstractmethod
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:
@@ -99,6 +142,10 @@ class Compressor(abc.ABC):
         from gradcomp.validation import check_layout
 
         check_layout(self, payload, numel)
+
+    def sent_indices(self, payload: Payload) -> Optional[torch.Tensor]:
+        """The positions a sparsifying payload sends whole (an integer tensor), else ``None``."""
+        return None
 
     def decompress(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         """Write ``decompress(payload)`` into ``out`` (any float dtype, ``[n]``) and return it."""

@@ -13,16 +13,12 @@ from gradcomp.compressors.registry import register
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import check_layout
 
-# Marks an argument left out, so that an explicit ``None`` is still rejected.
-_UNSET: float = object()  # type: ignore[assignment]
-
 
 @register("topk", params=("density",))
 class TopK(Compressor):
     """Exact top-k by magnitude, ``k = max(1, ceil(density * n))``.
 
-    ``density`` is the fraction of entries kept (0.01 keeps 1%). ``ratio`` is its older
-    name, still accepted as a keyword and readable as an attribute. Spec: ``"topk:0.01"``.
+    ``density`` is the fraction of entries kept (0.01 keeps 1%). Spec: ``"topk:0.01"``.
 
     Payload: ``values`` ``[k]`` in the gradient's dtype, then ``indices`` ``[k]`` int32
     (int64 when ``n >= 2**31``), ascending. Ties go to the lower index, so every backend
@@ -30,39 +26,26 @@ class TopK(Compressor):
     """
 
     uses_error_feedback = True
+    sparsifies = True
 
     DEFAULT_DENSITY = 0.01
 
-    def __init__(self, density: float = _UNSET, *, ratio: float = _UNSET):
-        """``density`` defaults to :attr:`DEFAULT_DENSITY`; ``ratio`` is its older name."""
-        if ratio is not _UNSET:
-            if density is not _UNSET:
-                raise TypeError("TopK takes density or its older name ratio, not both")
-            density = ratio
+    def __init__(self, density: float = DEFAULT_DENSITY):
         #: The fraction of entries kept, in (0, 1].
-        self.density = self._checked_density(self.DEFAULT_DENSITY if density is _UNSET else density)
+        self.density = self._checked_density(density)
 
     @staticmethod
     def _checked_density(density) -> float:
         if isinstance(density, bool) or not isinstance(density, (int, float)):
             raise TypeError(
-                f"TopK(density=...) (formerly ratio) must be a number in (0, 1], got {type(density).__name__}"
+                f"TopK(density=...) must be a number in (0, 1], got {type(density).__name__}"
             )
         if not math.isfinite(density) or not 0.0 < density <= 1.0:
             raise ValueError(
-                f"TopK(density={density!r}): the fraction of entries kept (formerly ratio) must be finite "
+                f"TopK(density={density!r}): the fraction of entries kept must be finite "
                 "and in (0, 1], e.g. 0.01 for 1%"
             )
         return float(density)
-
-    @property
-    def ratio(self) -> float:
-        """The older name of :attr:`density`, kept for code that already uses it."""
-        return self.density
-
-    @ratio.setter
-    def ratio(self, value: float) -> None:
-        self.density = self._checked_density(value)
 
     def k(self, numel: int) -> int:
         """How many entries a ``[numel]`` tensor sends."""
@@ -90,6 +73,9 @@ class TopK(Compressor):
         problem = topk_index_problem(payload["indices"], numel)
         if problem is not None:
             raise ValueError(problem)
+
+    def sent_indices(self, payload: Payload) -> torch.Tensor:
+        return payload["indices"]
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         kernel("topk_decompress_add", out.device, backend)(payload["values"], payload["indices"], out)

@@ -27,5 +27,6 @@ live torch AdamW costs +50% held-out loss at 2000 steps (research simulation: 2.
 """
 from gradcomp.optim.adam import CompressedAdamW
 from gradcomp.optim.dgc import DGC
+from gradcomp.optim.frozen_adam import FrozenVarianceAdam
 
-__all__ = ["DGC", "CompressedAdamW"]
+__all__ = ["DGC", "CompressedAdamW", "FrozenVarianceAdam"]

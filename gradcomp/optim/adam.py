@@ -39,11 +39,17 @@ Use (one line changed from a torch AdamW script, one added)::
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Dict, Hashable, Iterable, Sequence, Tuple, Union
 
 import torch
 
+from gradcomp.optim.names import unwrapped
+
 __all__ = ["CompressedAdamW"]
+
+#: Fewer steps than this before the freeze get a warning: the variance is then a handful of samples.
+MIN_STEADY_FREEZE = 10
 
 UNITS = ("momentum", "update")
 
@@ -76,7 +82,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         variance_floor: float = 0.1,
         units: str = "momentum",
     ):
-        named = list(named_parameters)
+        named = unwrapped(named_parameters)
         if not named or not all(isinstance(item, tuple) and len(item) == 2 for item in named):
             raise TypeError("CompressedAdamW takes model.named_parameters() (name, parameter) pairs")
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
@@ -85,6 +91,10 @@ class CompressedAdamW(torch.optim.Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an integer >= 1 (steps of dense AdamW first), got {freeze_step!r}")
+        if freeze_step < MIN_STEADY_FREEZE:
+            warnings.warn(f"gradcomp: freezing Adam's variance after {freeze_step} steps fixes a second moment "
+                          f"estimated from {freeze_step} gradients; freeze after the LR warm-up (the one-call recipe "
+                          "uses 5% of the run at least), or the frozen denominators may be far off")
         if not 0.0 <= variance_floor <= 1.0:
             raise ValueError(f"variance_floor must be in [0, 1], got {variance_floor}")
         if units not in UNITS:
@@ -230,9 +240,17 @@ class _MomentumTransform:
     def __init__(self, optimizer: CompressedAdamW):
         self.optimizer = optimizer
 
+    def parameter_names(self):
+        """The names this stage knows (the engine's keys)."""
+        return set(self.optimizer.names)
+
     def _apply(self, keys: Sequence[Hashable], numels: Sequence[int], grad: torch.Tensor) -> torch.Tensor:
         names = self.optimizer.names
-        if not any(self.optimizer.frozen(self.optimizer._group_of(names[k])) for k in keys if k in names):
+        unknown = [k for k in keys if k not in names]
+        if unknown:
+            raise KeyError(f"CompressedAdamW has no parameters named {unknown[:3]}; build it from the "
+                           "named_parameters() of the model DDP wraps")
+        if not any(self.optimizer.frozen(self.optimizer._group_of(names[k])) for k in keys):
             return grad
         out = torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
         offset = 0

@@ -37,6 +37,7 @@ from typing import Dict, Hashable, Iterable, Optional, Sequence, Tuple, Union
 import torch
 
 from gradcomp.error_feedback import ErrorFeedback
+from gradcomp.optim.names import unwrapped
 
 __all__ = ["DGC", "optimizer_settings"]
 
@@ -94,6 +95,8 @@ class DGC:
             learning-rate changes, and so does this, matching dense SGD-momentum exactly.
         residual_memory: the engine's :class:`~gradcomp.ErrorFeedback` (``state.residual_memory``)
             to rescale with the velocity; optional.
+        weight_decay: SGD's L2 term, moved here with the momentum: ``u = m * u + g + wd * p``
+            (the optimizer then runs with ``weight_decay=0``), which is torch's SGD exactly.
 
     State: one float32 velocity per parameter name, transactional like the residuals (written
     to a spare buffer, committed only when the step's average is finite on every rank).
@@ -107,17 +110,21 @@ class DGC:
         masking: Optional[bool] = None,
         rescale_on_lr_change: bool = False,
         residual_memory: Optional[ErrorFeedback] = None,
+        weight_decay: float = 0.0,
     ):
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
         if masking not in (True, False, None):
             raise ValueError(f"masking must be True, False or None (by compressor), got {masking!r}")
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
         self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
         self.masking = masking
         self.rescale_on_lr_change = bool(rescale_on_lr_change)
         self.residual_memory = residual_memory
         self.optimizer = optimizer
-        self._params: Dict[str, torch.nn.Parameter] = dict(named_parameters)
+        self._params: Dict[str, torch.nn.Parameter] = dict(unwrapped(named_parameters))
         if not self._params:
             raise ValueError("DGC needs the model's named_parameters() (got none)")
         if optimizer is not None:
@@ -142,11 +149,11 @@ class DGC:
         velocity = self._pending.get(keys)
         if velocity is None:
             raise RuntimeError(f"after_compress for {keys[:3]}... without before_compress")
-        sparsifier = "indices" in {s.name for s in payload.layout.segments}
+        sparsifier = compressor.sparsifies
         if not (self.masking if self.masking is not None else sparsifier):
             return
         if sparsifier:
-            velocity.index_fill_(0, payload["indices"].to(torch.int64), 0.0)
+            velocity.index_fill_(0, compressor.sent_indices(payload).to(torch.int64), 0.0)
         else:
             decoded = torch.zeros(numel, dtype=torch.float32, device=velocity.device)
             compressor.decompress_add(payload, decoded)
@@ -166,9 +173,24 @@ class DGC:
             if self.rescale_on_lr_change:
                 self._rescale(keys, numels, grad.device)
         current, spare = self.velocity.buffers(keys, numels, grad.device)
-        torch.add(grad.float(), current, alpha=self.momentum, out=spare)
+        grad = grad.float()
+        if self.weight_decay:
+            grad = grad + self.weight_decay * torch.cat([self._param(key).detach().reshape(-1).float()
+                                                         for key in keys])
+        torch.add(grad, current, alpha=self.momentum, out=spare)
         self._pending[keys] = spare
         return spare
+
+    def _param(self, key) -> torch.nn.Parameter:
+        try:
+            return self._params[key]
+        except KeyError:
+            raise KeyError(f"DGC has no parameter named {key!r}; build it from the named_parameters() of the module "
+                           "that DDP wraps") from None
+
+    def parameter_names(self):
+        """The names this stage knows (the engine's keys)."""
+        return set(self._params)
 
     def _lr_of(self) -> Dict[int, float]:
         return {id(p): float(group["lr"]) for group in self.optimizer.param_groups for p in group["params"]}
@@ -198,7 +220,8 @@ class DGC:
     # -- checkpoints ---------------------------------------------------------------------------
     def _recipe(self) -> dict:
         """The settings a checkpoint must have been saved with (the learning rate may change)."""
-        return {"momentum": self.momentum, "masking": self.masking, "rescale_on_lr_change": self.rescale_on_lr_change}
+        return {"momentum": self.momentum, "masking": self.masking, "rescale_on_lr_change": self.rescale_on_lr_change,
+                "weight_decay": self.weight_decay}
 
     def settings(self) -> dict:
         """Every setting that changes how a replica moves, as plain values, one entry per argument of

@@ -9,10 +9,10 @@ Split as Horovod itself is (``horovod/torch/compression.py`` beside ``optimizer.
       ...                                compression=gradcomp.hooks.horovod.Compression.fp16)
 
 * :mod:`.optimizer` -- :func:`DistributedOptimizer`, a drop-in for ``hvd.DistributedOptimizer``
-  with the same arguments (plus the engine's: ``warmup_steps``, ``min_numel``,
-  ``error_feedback``, ``backend``, ``schedule``, ``transform``) that also takes the compressors
-  whose payloads cannot be summed (``TopK``, ``TwoBit``), through :class:`gradcomp.engine.Engine`
-  as the DDP hook does: one telemetry (``opt.stats()``), one checkpoint format
+  with the same arguments (plus the engine's, as on the DDP hook: ``warmup_steps``, ``min_numel``,
+  ``error_feedback``, ``backend``, ``schedule``, ``transform``, ``exchange``, ``policy``) that also
+  takes the compressors whose payloads cannot be summed (``TopK``, ``TwoBit``), through
+  :class:`gradcomp.engine.Engine` as the DDP hook does: one telemetry (``opt.stats()``), one checkpoint format
   (``opt.state_dict()["gradcomp"]`` loads into the DDP hook's state and back)::
 
       >>> opt = gradcomp.hooks.horovod.DistributedOptimizer(
@@ -20,6 +20,11 @@ Split as Horovod itself is (``horovod/torch/compression.py`` beside ``optimizer.
       >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
       >>> # ... loss.backward(); opt.step(); opt.zero_grad() as usual
       >>> opt.stats()["last_step"]["compression_ratio"]   # dense bytes / bytes sent
+
+A gradcomp compressor passed straight to Horovod's own optimizer
+(``hvd.DistributedOptimizer(..., compression=gradcomp.TopK(0.01))``) raises a ``TypeError`` that
+names these two calls, at its first compress call (Horovod only stores ``compression`` when its
+optimizer is built).
 
 bfloat16: Horovod 0.28.1 has no bfloat16 allreduce, so ``Compression.bf16`` says what to use
 instead, and the drop-in optimizer sends such payloads by allgather (for two ranks, the same bytes).

@@ -19,8 +19,17 @@ from horovod.torch.mpi_ops import Average, Sum, global_process_set
 from gradcomp.engine import Engine, Handle
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.hooks.horovod.compression import Compression, as_compressor
-from gradcomp.hooks.horovod.parameters import Unit, build_units, check_horovod_arguments, flatten, names_of, unflatten
+from gradcomp.hooks.horovod.parameters import (
+    Unit,
+    build_units,
+    check_horovod_arguments,
+    flatten,
+    names_of,
+    op_name,
+    unflatten,
+)
 from gradcomp.hooks.horovod.transport import HorovodTransport
+from gradcomp.recipe import plan
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_gradient_dtypes
 
 __all__ = ["DistributedOptimizer"]
@@ -148,6 +157,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
+        before = getattr(self.engine.transform, "before_optimizer_step", None)
+        if callable(before):  # an optimizer stage that needs the averaged gradients (FrozenVarianceAdam)
+            before()
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
@@ -204,24 +216,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """This rank's error-feedback memory, keyed by parameter name."""
         return self.engine.residual_memory
 
-    residuals = residual_memory  # older name
-
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step: int = 1, op=Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set=global_process_set, warmup_steps: Optional[int] = None,
                          min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True, backend: Optional[str] = None,
-                         schedule=None, transform=None):  # fmt: skip
+                         schedule=None, transform=None, exchange: str = "allgather", policy=None,
+                         total_steps: Optional[int] = None, scheduler=None,
+                         min_compression: Optional[float] = None):  # fmt: skip
     """``hvd.DistributedOptimizer`` that also takes ``TopK`` and ``TwoBit``.
 
     The first ten arguments are Horovod's, with Horovod's meaning; ``compression`` is a gradcomp
-    compressor instance or a Horovod compression class. The rest are the engine's
-    (:class:`gradcomp.engine.Engine`; defaults in :mod:`gradcomp.settings`). Each parameter (or
+    compressor instance or a Horovod compression class. The rest are the engine's, with the same
+    meaning as on the DDP hook's :class:`~gradcomp.hooks.ddp.CompressionState`
+    (:class:`gradcomp.engine.Engine`; defaults in :mod:`gradcomp.settings`): ``exchange`` is
+    ``"allgather"`` or ``"two_phase"`` (:mod:`gradcomp.two_phase`, over ``hvd.alltoall``), and
+    ``policy`` a per-group choice of method such as :class:`gradcomp.Auto`. Each parameter (or
     group of ``groups``, compressed as one flat tensor) is compressed with error feedback keyed
     by its name once backward has run ``backward_passes_per_step`` times, its payload allgathered
     (summable payloads: allreduced), and ``synchronize()`` writes the rank-ordered float32
     average into ``p.grad``. ``op=hvd.Sum`` gives the average times the world size.
+
+    ``total_steps=`` (with ``scheduler=`` and ``min_compression=`` optional) applies the one-call
+    recipe of :mod:`gradcomp.recipe` to the wrapped ``optimizer``, exactly as
+    ``gradcomp.register`` does on DDP: the schedule and the optimizer stage are derived from the
+    run (``.recipe`` on the returned optimizer says what was chosen).
 
     Example::
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -229,12 +249,24 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         ...                            compression=gradcomp.TopK(0.01), warmup_steps=5)
     """
     compressor = as_compressor(compression)
+    recipe = None
+    if total_steps is not None:
+        if compressor is None or compressor.summable:
+            raise ValueError("the recipe (total_steps=) is for top-k and 2-bit compressors; "
+                             f"{compression!r} needs none")
+        if schedule is not None or transform is not None or warmup_steps is not None:
+            raise ValueError("the recipe (total_steps=) derives the schedule and the optimizer stage itself; pass "
+                             "either total_steps= or your own warmup_steps/schedule/transform")
+        named_parameters = list(named_parameters) if named_parameters is not None else None
+        recipe = plan(compressor, optimizer, total_steps, scheduler, named_parameters or (), min_numel,
+                      min_compression, step_hook=False)
+        compressor, schedule, transform = recipe.compressor, recipe.schedule, recipe.transform
     groups = check_horovod_arguments(num_groups, groups, backward_passes_per_step, op, gradient_predivide_factor)
     engine_settings = dict(warmup_steps=warmup_steps, min_numel=min_numel, error_feedback=error_feedback,
-                           backend=backend, schedule=schedule, transform=transform)
+                           backend=backend, schedule=schedule, transform=transform, exchange=exchange, policy=policy)
     if compressor is None or (op not in (Average, Sum) and compressor.summable):
         defaults = dict(warmup_steps=None, min_numel=DEFAULT_MIN_NUMEL, error_feedback=True, backend=None,
-                        schedule=None, transform=None)
+                        schedule=None, transform=None, exchange="allgather", policy=None)
         changed = sorted(k for k, v in engine_settings.items() if v is not defaults[k] and v != defaults[k])
         if changed:
             warnings.warn(f"gradcomp: {changed} have no effect when hvd.DistributedOptimizer does the exchange")
@@ -243,7 +275,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                                         op, gradient_predivide_factor, 0, groups, sparse_as_dense, process_set)
     if op not in (Average, Sum):
         raise ValueError(
-            f"op={op!r} cannot combine {compressor!r} payloads: each rank's payload is decoded and the "
+            f"op={op_name(op)} cannot combine {compressor!r} payloads: each rank's payload is decoded and the "
             "results are averaged (op=hvd.Average) or summed (op=hvd.Sum). Use one of those, or a "
             "summable compression with hvd.DistributedOptimizer for other ops.")
     if named_parameters is None and error_feedback and compressor.uses_error_feedback:
@@ -260,4 +292,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     distributed = cls(optimizer.param_groups, named_parameters, engine, backward_passes_per_step, op, groups,
                       sparse_as_dense, process_set)
     distributed.state.update(optimizer.state)  # keep what the wrapped optimizer accumulated
+    distributed.recipe = recipe
+    if transform is not None and callable(getattr(transform, "before_optimizer_step", None)):
+        transform.optimizer = distributed  # the stage reads the state of the optimizer the user steps
     return distributed

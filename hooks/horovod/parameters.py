@@ -36,6 +36,14 @@ def names_of(optimizer_groups, named_parameters) -> Dict[torch.nn.Parameter, str
     return {v: k for k, v in named_parameters}
 
 
+def op_name(op) -> str:
+    """``hvd.Adasum`` for Horovod's reduction op ``2``: how a user wrote it, for error messages."""
+    for name in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
+        if getattr(hvd, name, object()) == op and isinstance(op, int) and not isinstance(op, bool):
+            return f"hvd.{name}"
+    return repr(op)
+
+
 def check_horovod_arguments(num_groups, groups, backward_passes_per_step, op, gradient_predivide_factor):
     """Check ``hvd.DistributedOptimizer``'s own arguments as Horovod does; returns ``groups``."""
     if num_groups != 0:

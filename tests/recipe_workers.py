@@ -1,0 +1,125 @@
+"""Rank workers for the one-call recipe (``gradcomp.hooks.ddp.register(..., optimizer=, total_steps=)``).
+
+A small MLP in DDP's default buckets (one bucket holds every parameter, so per-parameter
+compression inside the bucket is what runs), an LR scheduler with a linear warm-up of
+``LR_WARMUP`` steps, and either the recipe or the same pieces assembled by hand from the rules of
+:mod:`gradcomp.recipe` worked out in the test.
+"""
+import io
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp.hooks import ddp as gc_ddp
+from gradcomp.optim import DGC, FrozenVarianceAdam
+from gradcomp.schedule import DenseWarmup, SparsityRamp
+
+TOTAL_STEPS = 40
+LR_WARMUP = 5  # the scheduler's learning rate peaks at step 5
+MIN_NUMEL = 64  # biases travel dense inside the bucket's payload
+MIN_COMPRESSION = 2.0  # a loose byte budget, so that the tiny model still gets a ramp
+WEIGHT_DECAY = {"sgd": 1e-3, "adamw": 0.1}
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 48), torch.nn.Tanh(), torch.nn.Linear(48, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 3))
+
+
+def batch(rank, step, n=16):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, 8, generator=gen)
+    y = torch.stack([x[:, 0] * x[:, 1], torch.sin(x[:, 2]), x[:, 3] - x[:, 4]], dim=1)
+    return x, y
+
+
+def make_optimizer(kind, model, momentum=0.9):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum, weight_decay=WEIGHT_DECAY["sgd"])
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=WEIGHT_DECAY["adamw"])
+
+
+class Run:
+    """One rank's DDP model, optimizer, scheduler and gradcomp state, set up ``how`` (``"recipe"``
+    or ``"hand"``, the latter with ``hand`` = (dense steps, stage steps, densities))."""
+
+    def __init__(self, kind, spec, how, hand=None):
+        self.model = make_model()
+        self.ddp = DDP(self.model)
+        named = list(self.model.named_parameters())
+        if how == "recipe":
+            self.optimizer = make_optimizer(kind, self.model)
+            self.scheduler = self._scheduler()
+            self.state = gc_ddp.register(self.ddp, spec, optimizer=self.optimizer, total_steps=TOTAL_STEPS,
+                                         scheduler=self.scheduler, min_numel=MIN_NUMEL,
+                                         min_compression=MIN_COMPRESSION)
+            return
+        dense_steps, stage_steps, densities = hand
+        compressor = gradcomp.from_spec(spec)
+        if kind == "sgd" and spec.startswith("twobit"):  # the recipe's stand-in: top-k at 2-bit's bytes
+            compressor = gradcomp.TopK(1 / 32)
+        schedule = (SparsityRamp(dense_steps, stage_steps, densities) if densities else DenseWarmup(dense_steps))
+        if kind == "sgd":
+            self.optimizer = make_optimizer(kind, self.model, momentum=0.0)
+            self.optimizer.param_groups[0]["weight_decay"] = 0.0
+            transform = DGC(named, momentum=0.9, optimizer=self.optimizer, masking=False,
+                            weight_decay=WEIGHT_DECAY["sgd"])
+        else:
+            self.optimizer = make_optimizer(kind, self.model)
+            transform = FrozenVarianceAdam(self.optimizer, named, freeze_step=dense_steps, units="update")
+        self.scheduler = self._scheduler()
+        self.state = gc_ddp.register(self.ddp, compressor, schedule=schedule, transform=transform,
+                                     min_numel=MIN_NUMEL)
+
+    def _scheduler(self):
+        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (LR_WARMUP + 1)))
+
+    def train(self, rank, start, stop):
+        for step in range(start, stop):
+            self.optimizer.zero_grad()
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(self.ddp(x), y).backward()
+            self.optimizer.step()
+            self.scheduler.step()
+
+    def checkpoint(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "gradcomp": self.state.state_dict()}, buffer)
+        return buffer.getvalue()
+
+    def restore(self, blob: bytes) -> None:
+        saved = torch.load(io.BytesIO(blob), weights_only=False)
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.state.load_state_dict(saved["gradcomp"])
+
+    def result(self):
+        recipe = self.state.recipe
+        return {"params": {n: p.detach().clone() for n, p in self.model.named_parameters()},
+                "step": self.state.engine.step, "stats": self.state.stats()["total"],
+                "recipe": None if recipe is None else {
+                    "dense_steps": recipe.dense_steps, "schedule": recipe.schedule.settings(),
+                    "stage": recipe.optimizer_stage, "expected": recipe.expected_compression},
+                "momentum": [g["momentum"] for g in self.optimizer.param_groups] if "momentum"
+                in self.optimizer.param_groups[0] else None}
+
+
+def train_worker(rank, world_size, kind, spec, how, hand=None):
+    run = Run(kind, spec, how, hand)
+    run.train(rank, 0, TOTAL_STEPS)
+    return run.result()
+
+
+def resume_worker(rank, world_size, kind, spec, split):
+    """Train ``split`` steps, checkpoint, build everything afresh, restore and finish the run."""
+    first = Run(kind, spec, "recipe")
+    first.train(rank, 0, split)
+    blob = first.checkpoint()
+    second = Run(kind, spec, "recipe")
+    second.restore(blob)
+    second.train(rank, split, TOTAL_STEPS)
+    return second.result()

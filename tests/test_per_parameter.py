@@ -1,0 +1,181 @@
+"""Per-parameter compression inside a group (``gradcomp.compressors.per_parameter``).
+
+The contract: compressing a group of parameters with :class:`PerParameter` is exactly compressing
+each parameter alone (its own top-k budget, its own 2-bit scale), with parameters under
+``dense_below`` sent whole; on every backend, the emulated CUDA kernels included, bit for bit.
+"""
+import pytest
+import torch
+from test_cuda_kernels import TINY, cuda_emulator, cuda_ops
+from test_engine import OneRank
+
+import gradcomp
+import gradcomp.backends
+from gradcomp.compressors.per_parameter import PerParameter
+from gradcomp.engine import Engine
+from gradcomp.payload import Payload
+from gradcomp.validation import PayloadError, validate_payload
+
+# Mixed sizes: large and small parameters, sizes that are not multiples of 16, a scalar.
+NUMELS = (3000, 10, 5000, 1, 2048, 7, 1500)
+DENSE_BELOW = 1024
+SPECS = ("topk:0.01", "topk:0.1", "twobit:rms", "twobit:0.5")
+
+
+def make(n, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    grad = (torch.randn(n, generator=generator) * torch.rand(n, generator=generator) * 3).to(dtype)
+    residual = torch.randn(n, generator=generator) * 0.1
+    return grad, residual
+
+
+@pytest.fixture(scope="module")
+def emulated_cuda():
+    """The CUDA kernels, run in the CPU emulation, standing in for the torch backend's ops."""
+    try:
+        launcher = cuda_emulator.EmulatedLauncher(cuda_emulator.build(cuda_emulator.Path(cuda_ops.SOURCE_DIR)))
+    except FileNotFoundError as error:
+        pytest.skip(f"the CUDA emulation needs a C++20 compiler: {error}")
+    return {
+        "topk_compress": lambda g, ri, ro, v, i: cuda_ops.plan_topk_compress(launcher, TINY, g, ri, ro, v, i),
+        "topk_decompress_add": lambda v, i, out: cuda_ops.plan_topk_decompress_add(launcher, TINY, v, i, out),
+        "twobit_compress": lambda g, ri, ro, t, c: cuda_ops.plan_twobit_compress(launcher, TINY, g, ri, ro, t, c),
+        "twobit_decompress_add": lambda c, t, out: cuda_ops.plan_twobit_decompress_add(launcher, TINY, c, t, out),
+    }
+
+
+@pytest.fixture(params=["torch", "numba", "cuda-emulated"])
+def backend(request, monkeypatch):
+    """A backend name for ``compress(backend=...)``; the emulated CUDA kernels are swapped in
+    for the torch ones for the test's duration."""
+    if request.param == "numba":
+        pytest.importorskip("numba", reason="the numba backend needs numba")
+        return "numba"
+    if request.param == "cuda-emulated":
+        for op, fn in request.getfixturevalue("emulated_cuda").items():
+            monkeypatch.setitem(gradcomp.backends.KERNELS, (op, "torch"), fn)
+    return "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_each_parameter_is_compressed_as_if_alone(backend, spec, dtype):
+    base = gradcomp.from_spec(spec)
+    grouped = PerParameter(base, NUMELS, dense_below=DENSE_BELOW)
+    grad, residual = make(sum(NUMELS), dtype, seed=len(spec))
+    residual_out = torch.full_like(residual, float("nan"))
+    payload = grouped.compress(grad, residual, residual_out, backend=backend)
+
+    decoded = torch.zeros(sum(NUMELS))
+    grouped.decompress_add(payload, decoded, backend=backend)
+    for part, own in grouped.parts_of(payload):
+        lo, hi = part.offset, part.offset + part.numel
+        acc = grad[lo:hi].float() + residual[lo:hi]
+        if part.dense:
+            assert part.numel < DENSE_BELOW
+            assert torch.equal(own[f"{NUMELS.index(part.numel)}.dense"], acc.to(dtype))
+            assert not own.buffer[part.numel * grad.element_size():].any()  # zeroed padding
+            assert torch.equal(decoded[lo:hi], acc.to(dtype).float())
+            assert torch.equal(residual_out[lo:hi], acc - acc.to(dtype).float())
+            continue
+        alone_out = torch.empty(part.numel)
+        alone = base.compress(grad[lo:hi], residual[lo:hi], alone_out, backend=backend)
+        assert torch.equal(own.buffer, alone.buffer), f"part at {lo} differs from its parameter compressed alone"
+        assert torch.equal(residual_out[lo:hi], alone_out)
+        alone_decoded = torch.zeros(part.numel)
+        base.decompress_add(alone, alone_decoded, backend=backend)
+        assert torch.equal(decoded[lo:hi], alone_decoded)
+    # Error feedback: what was sent plus what is kept is what there was.
+    torch.testing.assert_close(decoded + residual_out, grad.float() + residual, rtol=0, atol=1e-5)
+
+
+def test_top_k_budget_is_per_parameter():
+    grouped = PerParameter(gradcomp.TopK(0.01), (100_000, 2000), dense_below=0)
+    grad = torch.cat([torch.full((100_000,), 10.0), torch.full((2000,), 0.001)])
+    payload = grouped.compress(grad)
+    sent = grouped.sent_indices(payload)
+    # The small parameter keeps its own 1% (20 entries) although every entry of the large one is bigger.
+    assert int((sent >= 100_000).sum()) == 20
+    assert int((sent < 100_000).sum()) == 1000
+
+
+def test_two_bit_scale_is_per_parameter():
+    grouped = PerParameter(gradcomp.TwoBit("rms"), (4096, 2048), dense_below=0)
+    grad = torch.cat([torch.randn(4096) * 100, torch.randn(2048) * 0.01])
+    payload = grouped.compress(grad)
+    scales = [float(own["scale"][0]) for _, own in grouped.parts_of(payload)]
+    assert scales[0] > 50 and scales[1] < 0.02
+    decoded = grouped.decompress(payload, torch.empty(6144))
+    # With one scale for the bucket the small parameter would decode to zeros.
+    assert int((decoded[4096:] != 0).sum()) > 100
+
+
+def test_backends_agree_bit_for_bit(emulated_cuda, monkeypatch):
+    pytest.importorskip("numba", reason="the numba backend needs numba")
+    for spec in SPECS:
+        grouped = PerParameter(gradcomp.from_spec(spec), NUMELS, dense_below=DENSE_BELOW)
+        grad, residual = make(sum(NUMELS), torch.float32, seed=7)
+        reference = grouped.compress(grad, residual, torch.empty_like(residual), backend="torch").buffer
+        numba = grouped.compress(grad, residual, torch.empty_like(residual), backend="numba").buffer
+        with monkeypatch.context() as patch:
+            for op, fn in emulated_cuda.items():
+                patch.setitem(gradcomp.backends.KERNELS, (op, "torch"), fn)
+            emulated = grouped.compress(grad, residual, torch.empty_like(residual), backend="torch").buffer
+        assert torch.equal(numba, reference), spec
+        assert torch.equal(emulated, reference), spec
+
+
+@pytest.mark.parametrize("spec", ["topk:0.01", "twobit:rms"])
+def test_a_bad_part_is_rejected_naming_the_parameter(spec):
+    grouped = PerParameter(gradcomp.from_spec(spec), NUMELS, dense_below=DENSE_BELOW)
+    grad, _ = make(sum(NUMELS), torch.float32, seed=3)
+    payload = grouped.compress(grad)
+    validate_payload(grouped, payload, sum(NUMELS), rank=1)  # well formed
+    bad = Payload(payload.layout, payload.buffer.clone())
+    if spec.startswith("topk"):
+        bad["2.indices"][0] = 10**6  # parameter 2: 5000 elements
+    else:
+        bad["2.scale"][0] = -1.0
+    with pytest.raises(PayloadError, match=r"rank 1.*parameter 2 of the group"):
+        validate_payload(grouped, bad, sum(NUMELS), rank=1)
+
+
+def test_layout_depends_only_on_sizes_and_settings():
+    grouped = PerParameter(gradcomp.TopK(0.01), NUMELS, dense_below=DENSE_BELOW)
+    a = grouped.compress(torch.randn(sum(NUMELS)))
+    b = grouped.compress(torch.zeros(sum(NUMELS)))
+    assert a.layout == b.layout == grouped.layout(sum(NUMELS), torch.float32)
+    with pytest.raises(ValueError, match="lays out"):
+        grouped.layout(sum(NUMELS) + 1, torch.float32)
+    with pytest.raises(TypeError, match="summable"):
+        PerParameter(gradcomp.FP16(), NUMELS)
+
+
+def test_engine_compresses_per_parameter_by_default_and_per_bucket_on_request():
+    keys = tuple(f"p{i}" for i in range(len(NUMELS)))
+    grad, _ = make(sum(NUMELS), torch.float32, seed=11)
+    results = {}
+    for granularity in ("parameter", "bucket"):
+        engine = Engine(gradcomp.TopK(0.01), OneRank(), warmup_steps=0, backend="torch", granularity=granularity)
+        handle = engine.start(grad.clone(), keys, NUMELS, 0)
+        results[granularity] = (engine.finish(handle, handle.work).clone(), handle.compressor)
+    per_parameter, bucket = results["parameter"], results["bucket"]
+    assert isinstance(per_parameter[1], PerParameter) and not isinstance(bucket[1], PerParameter)
+    expected = torch.zeros(sum(NUMELS))
+    PerParameter(gradcomp.TopK(0.01), NUMELS, DENSE_BELOW).decompress_add(
+        PerParameter(gradcomp.TopK(0.01), NUMELS, DENSE_BELOW).compress(grad), expected)
+    assert torch.equal(per_parameter[0], expected)
+    assert int((bucket[0] != 0).sum()) == gradcomp.TopK(0.01).k(sum(NUMELS))
+    with pytest.raises(ValueError, match="granularity"):
+        Engine(gradcomp.TopK(0.01), OneRank(), granularity="layer")
+
+
+def test_the_per_parameter_benchmark_runs_and_reports_ratios(tmp_path):
+    from experiments import bench_per_parameter
+
+    out = tmp_path / "bench.json"
+    results = bench_per_parameter.main(["--size", "20000", "--params", "7", "--repeats", "1", "--threads", "1",
+                                        "--backend", "torch", "--json", str(out)])
+    assert out.exists() and [c["spec"] for c in results["cases"]] == ["topk:0.01", "twobit:rms"]
+    assert all(c["ratio"] > 0 and c["ratio_min"] <= c["ratio"] <= c["ratio_max"] for c in results["cases"])
+    assert sum(bench_per_parameter.mixed_sizes(2**24, 100)) == 2**24

@@ -1,0 +1,71 @@
+"""Every ```python block of the README runs, as written, on real ranks.
+
+DDP blocks run on a 2-rank Gloo group, Horovod blocks under ``horovodrun -np 2 --gloo``
+(skipped, with the reason, where Horovod is not installed). A new block is picked up by itself;
+a block opts out only with ``# readme-test: skip -- <why>`` as its first line
+(:mod:`readme_worker` gives the names a block may use without defining them).
+"""
+import importlib.util
+
+import pytest
+
+import multiprocess
+import readme_worker
+from readme_worker import python_blocks
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD_SIZE = 2
+BLOCKS = python_blocks()
+HOROVOD = importlib.util.find_spec("horovod") is not None
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("readme_ddp")
+    return multiprocess.spawn(readme_worker.run_ddp_blocks, WORLD_SIZE, out, timeout_s=300, pass_out_dir=True)
+
+
+@pytest.fixture(scope="module")
+def horovod_results(tmp_path_factory):
+    import torch
+
+    out = tmp_path_factory.mktemp("readme_horovod")
+    multiprocess.horovodrun(multiprocess.REPO / "tests" / "readme_worker.py", [str(out)], WORLD_SIZE)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+
+
+def test_the_readme_has_blocks_of_both_kinds():
+    kinds = {block.kind for block in BLOCKS}
+    assert kinds == {"ddp", "horovod"}, kinds
+
+
+# The Horovod blocks' job is slow; test_horovod.py covers the same calls in the quick selection.
+CASES = [pytest.param(b, marks=[pytest.mark.horovod, pytest.mark.slow]) if b.kind == "horovod" else b for b in BLOCKS]
+
+
+@pytest.mark.parametrize("block", CASES, ids=lambda block: block.name)
+def test_readme_block_runs_as_written(block, request):
+    reason = block.opt_out_reason
+    if reason is not None:
+        assert reason, f"{block.name} opts out of this test without saying why (# readme-test: skip -- <why>)"
+        pytest.skip(f"{block.name} opts out: {reason}")
+    if block.kind == "horovod":
+        if not HOROVOD:
+            pytest.skip("Horovod is not installed (scripts/build_horovod.sh builds it)")
+        ranks = request.getfixturevalue("horovod_results")
+    else:
+        ranks = request.getfixturevalue("ddp_results")
+    for rank, results in enumerate(ranks):
+        assert block.name in results, f"rank {rank} did not run {block.name}"
+        assert results[block.name] is None, f"{block.name} failed on rank {rank}:\n{results[block.name]}"
+
+
+def test_opt_out_needs_a_marker_with_a_reason(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("```python\n# readme-test: skip -- needs a GPU\nx = 1\n```\n\n```python\ny = hvd.rank()\n```\n"
+                      "```python\n# readme-test: skip\n```\n")  # fmt: skip
+    first, second, third = python_blocks(readme)
+    assert (first.line, first.opt_out_reason, first.kind) == (2, "needs a GPU", "ddp")
+    assert (second.line, second.opt_out_reason, second.kind) == (7, None, "horovod")
+    assert third.opt_out_reason == ""  # marked without a reason: the test above fails for it

@@ -1,0 +1,242 @@
+"""The one-call recipe: constants derived from the run, the same result as the pieces assembled by
+hand, bitwise resume across the freeze and mid-ramp, and clear errors (real Gloo ranks)."""
+import math
+import warnings
+
+import pytest
+import torch
+
+import gradcomp
+import multiprocess
+import recipe_workers as workers
+from gradcomp.optim import DGC, CompressedAdamW, FrozenVarianceAdam
+from gradcomp.recipe import lr_peak_step, plan
+from gradcomp.schedule import DenseWarmup, SparsityRamp
+
+# The rules of gradcomp.recipe worked out by hand for the workers' run: 40 steps, the LR peaks at
+# step 5 (> 5% of 40), so 5 dense steps; top-k 1% ramps 1/16, 1/32, 1/64, each stage as long as
+# the budget allows (2x: 84 steps) but at most 3/4 of the 35 remaining steps in all (8 each).
+RAMP = (5, 8, (0.0625, 0.03125, 0.015625))
+DENSE_ONLY = (5, None, ())
+# 2-bit under SGD-momentum becomes top-k at 2-bit's bytes (1/32): one ramp stage, 1/16, as long as
+# 3/4 of the 35 remaining steps (the budget would allow 191).
+STAND_IN = (5, 26, (0.0625,))
+CASES = [("sgd", "topk:0.01", RAMP), ("sgd", "twobit:rms", STAND_IN), ("adamw", "topk:0.01", RAMP),
+         ("adamw", "twobit:rms", DENSE_ONLY)]
+
+
+def spawn(worker, out_dir, *args):
+    out_dir.mkdir()
+    return multiprocess.spawn(worker, 2, str(out_dir), *args)
+
+
+def assert_params_equal(a, b, what):
+    for name, value in a["params"].items():
+        assert torch.equal(b["params"][name], value), f"{what}: {name} differs"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind,spec,hand", CASES, ids=[f"{k}-{s}" for k, s, _ in CASES])
+def test_recipe_equals_the_hand_assembled_pieces_and_replicas_agree(tmp_path, kind, spec, hand):
+    recipe = spawn(workers.train_worker, tmp_path / "recipe", kind, spec, "recipe")
+    by_hand = spawn(workers.train_worker, tmp_path / "hand", kind, spec, "hand", hand)
+    assert_params_equal(recipe[0], recipe[1], "replicas")
+    assert_params_equal(recipe[0], by_hand[0], "recipe vs hand-assembled")
+    chosen = recipe[0]["recipe"]
+    assert chosen["dense_steps"] == hand[0]
+    if hand[2]:
+        assert chosen["schedule"]["stage_steps"] == hand[1]
+        assert tuple(chosen["schedule"]["densities"]) == hand[2]
+    assert recipe[0]["stats"]["compression_ratio"] > 1.5  # compression really ran
+    if kind == "sgd" and spec.startswith("topk"):
+        assert recipe[0]["momentum"] == [0.0]  # the momentum moved into gradcomp
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind,spec,split", [("adamw", "topk:0.01", 3), ("adamw", "twobit:rms", 12),
+                                             ("sgd", "topk:0.01", 15)],
+                         ids=["adamw-before-freeze", "adamw-after-freeze", "sgd-mid-ramp"])
+def test_recipe_resumes_bitwise(tmp_path, kind, spec, split):
+    whole = spawn(workers.train_worker, tmp_path / "whole", kind, spec, "recipe")
+    resumed = spawn(workers.resume_worker, tmp_path / "resumed", kind, spec, split)
+    assert resumed[0]["step"] == whole[0]["step"] == workers.TOTAL_STEPS
+    assert_params_equal(whole[0], resumed[0], f"resumed at step {split}")
+    assert_params_equal(resumed[0], resumed[1], "replicas after the resume")
+
+
+# -- the plan, without processes ------------------------------------------------------------------
+def named_mlp():
+    return list(workers.make_model().named_parameters())
+
+
+def test_dense_start_follows_the_lr_warm_up_or_five_percent():
+    named = named_mlp()
+    optimizer = torch.optim.SGD([p for _, p in named], lr=0.1)
+    warm = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 101))
+    assert lr_peak_step(warm, 2000) == 100
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 101)  # the probe changed nothing
+    assert plan("topk:0.01", None, 2000, warm, named).dense_steps == 100
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=2000)
+    assert plan("topk:0.01", None, 2000, cosine, named).dense_steps == 2  # no warm-up to cover
+    adam = torch.optim.Adam([p for _, p in named], lr=1e-3)
+    adam_cosine = torch.optim.lr_scheduler.CosineAnnealingLR(adam, T_max=2000)
+    assert plan("topk:0.01", adam, 2000, adam_cosine, named).dense_steps == 100  # Adam's variance: 5%
+    assert plan("topk:0.01", None, 600, None, named).dense_steps == 30
+    assert plan("twobit:rms", None, 10, None, named).dense_steps == 2  # DDP's bucket rebuild at least
+
+
+@pytest.mark.parametrize("total", [600, 2000, 10000])
+@pytest.mark.parametrize("density", [0.01, 0.001])
+def test_top_k_ramp_scales_with_the_run_and_keeps_the_byte_budget(total, density):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the budget must be met without a warning
+        chosen = plan(f"topk:{density}", None, total, None, named_mlp(), min_numel=0)
+    schedule = chosen.schedule
+    assert isinstance(schedule, SparsityRamp)
+    assert schedule.densities[0] == 1 / 16 and all(d > density for d in schedule.densities)
+    assert schedule.stage_steps * len(schedule.densities) <= 0.75 * (total - chosen.dense_steps)
+    # Bytes over the run, counted step by step from the schedule itself: at least 10x fewer than dense.
+    sent = 0.0
+    for step in range(total):
+        compressor = schedule.compressor_at(step, chosen.compressor)
+        sent += 1.0 if compressor is None else 2 * compressor.density
+    assert total / sent >= 10.0 * 0.999
+    assert chosen.expected_compression == pytest.approx(total / sent, rel=1e-6)
+
+
+def test_a_budget_the_dense_start_cannot_keep_is_said():
+    named = named_mlp()
+    optimizer = torch.optim.SGD([p for _, p in named], lr=0.1)
+    long_warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 301))
+    with pytest.warns(UserWarning, match="fewer bytes, under the 8x asked"):
+        chosen = plan("twobit:rms", None, 1000, long_warmup, named, min_numel=0)
+    assert chosen.dense_steps == 300
+
+
+def test_optimizer_stages_by_optimizer():
+    named = named_mlp()
+    params = [p for _, p in named]
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+    chosen = plan("topk:0.01", sgd, 1000, None, named)
+    assert isinstance(chosen.transform, DGC) and chosen.transform.momentum == 0.9
+    assert chosen.transform.weight_decay == 1e-4 and chosen.transform.masking is False
+    assert sgd.param_groups[0]["momentum"] == 0.0 and sgd.param_groups[0]["weight_decay"] == 0.0
+    sgd2 = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    stand_in = plan("twobit:rms", sgd2, 1000, None, named)  # 2-bit does not converge under SGD-momentum
+    assert isinstance(stand_in.compressor, gradcomp.TopK) and stand_in.compressor.density == 1 / 32
+    assert isinstance(stand_in.transform, DGC) and sgd2.param_groups[0]["momentum"] == 0.0
+    plain_sgd = torch.optim.SGD(params, lr=0.1)
+    assert plan("twobit:rms", plain_sgd, 1000, None, named).compressor.spec == "twobit:rms"
+    adam = torch.optim.Adam(params, lr=1e-3)
+    chosen = plan("twobit:rms", adam, 1000, None, named)
+    assert isinstance(chosen.transform, FrozenVarianceAdam) and chosen.transform.freeze_step == chosen.dense_steps
+    with pytest.warns(UserWarning, match="Adagrad has no optimizer-aware stage"):
+        assert plan("topk:0.01", torch.optim.Adagrad(params), 1000, None, named).transform is None
+    with pytest.raises(ValueError, match="nesterov"):
+        plan("topk:0.01", torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True), 1000, None, named)
+    with pytest.raises(ValueError, match="total_steps"):
+        plan("topk:0.01", adam, None, None, named)
+    with pytest.raises(ValueError, match="amsgrad"):
+        FrozenVarianceAdam(torch.optim.Adam(params, amsgrad=True), named, freeze_step=5)
+
+
+def test_stages_take_the_names_of_the_wrapped_or_the_unwrapped_model():
+    named = named_mlp()
+    wrapped = [(f"module.{name}", p) for name, p in named]
+    for stage in (DGC(wrapped, momentum=0.9), CompressedAdamW(wrapped, freeze_step=3).transform,
+                  FrozenVarianceAdam(torch.optim.AdamW([p for _, p in named]), wrapped, freeze_step=3)):
+        assert stage.parameter_names() == {name for name, _ in named}, type(stage).__name__
+
+
+def test_frozen_variance_adam_is_compressed_adamw_on_a_users_adamw():
+    """With the identity exchange (one rank), torch's AdamW + FrozenVarianceAdam in momentum
+    units follows CompressedAdamW step for step."""
+    named_a, named_b = named_mlp(), named_mlp()
+    ours = CompressedAdamW(named_a, lr=1e-2, weight_decay=0.1, freeze_step=4)
+    user = torch.optim.AdamW([p for _, p in named_b], lr=1e-2, weight_decay=0.1)
+    stage = FrozenVarianceAdam(user, named_b, freeze_step=4, units="momentum")
+    for step in range(12):
+        for (name, a), (_, b) in zip(named_a, named_b):
+            g = torch.randn(a.shape, generator=torch.Generator().manual_seed(step * 100 + len(name)))
+            a.grad = ours.transform.before_compress([name], [a.numel()], g.reshape(-1)).reshape(a.shape).clone()
+            b.grad = stage.before_compress([name], [b.numel()], g.reshape(-1)).reshape(b.shape).clone()
+        ours.step()
+        user.step()
+        for (name, a), (_, b) in zip(named_a, named_b):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=f"step {step} {name}")
+    assert all("frozen_denom" in user.state[p] for _, p in named_b)
+    assert math.isclose(float(user.state[named_b[0][1]]["step"]), 12)
+
+
+@pytest.mark.multiprocess
+def test_register_rejects_a_stage_that_does_not_know_the_models_names(tmp_path):
+    results = multiprocess.spawn(_register_with_foreign_stage, 2, str(tmp_path))
+    assert all("knows no parameter named" in r for r in results)
+
+
+def _register_with_foreign_stage(rank, world_size):
+    model = workers.make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    other = [(f"other.{name}", p) for name, p in model.named_parameters()]
+    try:
+        from gradcomp.hooks import ddp as gc_ddp
+
+        gc_ddp.register(ddp, gradcomp.TopK(0.01), transform=DGC(other, momentum=0.9), schedule=DenseWarmup(2))
+    except ValueError as error:
+        return str(error)
+    return "registered"
+
+
+def test_an_early_freeze_is_warned_about():
+    named = named_mlp()
+    with pytest.warns(UserWarning, match="freezing Adam's variance after 2 steps"):
+        CompressedAdamW(named, freeze_step=2)
+    with pytest.warns(UserWarning, match="freezing Adam's variance after 2 steps"):
+        FrozenVarianceAdam(torch.optim.AdamW([p for _, p in named]), named, freeze_step=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FrozenVarianceAdam(torch.optim.AdamW([p for _, p in named]), named, freeze_step=100)
+
+
+@pytest.mark.horovod
+@pytest.mark.multiprocess
+def test_ddp_and_horovod_give_the_same_result_for_the_same_settings(tmp_path):
+    """The recipe through Horovod's drop-in optimizer (a unit per parameter) and through DDP (one
+    bucket, compressed per parameter) exchange the same bytes, so they train to the same weights."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_horovod import HOROVOD_ERROR, REPO, horovodrun
+
+    import recipe_horovod_worker as hvd_worker
+
+    if HOROVOD_ERROR is not None:
+        pytest.fail(f"Horovod is not importable ({HOROVOD_ERROR}); build it with scripts/build_horovod.sh")
+    out = tmp_path / "horovod"
+    out.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), str(REPO), env.get("PYTHONPATH")]))
+    command = [horovodrun(), "-np", "2", "--gloo", "-H", "localhost:2", sys.executable,
+               str(Path(hvd_worker.__file__)), str(out)]
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"horovodrun did not finish in 300 s:\n{output[-4000:]}")
+    assert proc.returncode == 0, f"horovodrun exited with {proc.returncode}:\n{output[-4000:]}"
+    horovod = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for kind, spec in hvd_worker.CASES:
+        ddp = spawn(workers.train_worker, tmp_path / f"ddp-{kind}", kind, spec, "recipe")
+        hv = horovod[0][f"{kind}-{spec}"]
+        assert hv["dense_steps"] == ddp[0]["recipe"]["dense_steps"]
+        # The same payloads but for alignment padding (a bucket pads each parameter's part to 8 bytes).
+        assert hv["stats"]["bytes_sent"] == pytest.approx(ddp[0]["stats"]["bytes_sent"], rel=0.01)
+        for name, value in ddp[0]["params"].items():
+            torch.testing.assert_close(hv["params"][name], value, rtol=0, atol=0, msg=f"{kind} {spec} {name}")
+        assert_params_equal(horovod[0][f"{kind}-{spec}"], horovod[1][f"{kind}-{spec}"], "Horovod replicas")
