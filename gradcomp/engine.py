@@ -5,11 +5,12 @@ registered by name) with kernels in ``gradcomp/backends/`` and ``csrc/``; a new 
 sparsity schedule goes in ``gradcomp/schedule.py`` and an optimizer-aware stage (DGC momentum)
 in ``gradcomp/optim/``, both plugged into this engine through the ``schedule`` and
 ``transform`` slots; what happens to a gradient each step (the order below, error feedback,
-the finite check, validation of received payloads, the settings check between ranks,
-checkpoints) is written once, here; how a framework launches and awaits a collective is an
-adapter's :class:`Transport` (``gradcomp/hooks/ddp.py`` for DDP, ``gradcomp/hooks/horovod/``
-for Horovod), which should stay a translation of the framework's objects into engine calls.
-Defaults and argument checks live in :mod:`gradcomp.settings`, counters in
+the finite check, validation of received payloads) is written once, here; the settings check
+between ranks lives in :mod:`gradcomp.agreement` and checkpoint validation in
+:mod:`gradcomp.checkpoint` (the engine's methods of those names delegate); how a framework
+launches and awaits a collective is an adapter's :class:`Transport` (``gradcomp/hooks/ddp.py``
+for DDP, ``gradcomp/hooks/horovod/`` for Horovod), which should stay a translation of the
+framework's objects into engine calls. Defaults and argument checks live in :mod:`gradcomp.settings`, counters in
 :mod:`gradcomp.telemetry`.
 
 Each step, for each *group* (a DDP bucket, a Horovod parameter or parameter group), given as

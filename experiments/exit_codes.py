@@ -1,0 +1,125 @@
+"""Stress benchmark for a clean exit: N two-rank DDP jobs of M steps per recipe, counting exit codes.
+
+A finished rank must exit with code 0. Long runs were seen to end, after the result was written
+and the process group destroyed, with ``terminate called without an active exception`` (SIGABRT,
+exit code -6), also in jobs that used no gradcomp at all. This script runs the same jobs with
+each recipe, and with none (``--recipes dense``: torch's own DDP allreduce), so that a count of
+aborts can be compared between torch alone and gradcomp's recipes on the same machine.
+
+Usage (each job is two fresh Python processes; jobs run one after another)::
+
+    python -m experiments.exit_codes --jobs 50 --steps 500 --recipes dense dgc_topk adamw_topk twobit
+    python -m experiments.exit_codes --jobs 3 --steps 100            # a quick check that it runs
+
+Prints one line per job (recipe, exit codes, an abort message seen in stderr) and a table:
+jobs, clean exits, and the exit codes of the others. Not a test: it takes minutes per recipe.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import os
+import subprocess
+import sys
+
+RECIPES = ("dense", "dgc_topk", "adamw_topk", "twobit")
+ABORT = "terminate called"
+
+
+def _rank(rank: int, world_size: int, port: int, recipe: str, steps: int, backend: str, bucket_cap_mb: float) -> None:
+    """One rank of one job: train ``steps`` steps with ``recipe``, destroy the group, return."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradcomp
+    from gradcomp.hooks import ddp as gc_ddp
+    from gradcomp.optim import DGC, CompressedAdamW
+    from gradcomp.schedule import DenseWarmup, SparsityRamp
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
+                                torch.nn.Tanh(), torch.nn.Linear(256, 10))
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    if recipe == "adamw_topk":
+        optimizer = CompressedAdamW(model.named_parameters(), lr=1e-3, freeze_step=10)
+        gc_ddp.register(ddp, gradcomp.TopK(0.01), schedule=SparsityRamp(dense_steps=10, stage_steps=10),
+                        transform=optimizer.transform, backend=backend)
+    elif recipe == "dgc_topk":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0)
+        gc_ddp.register(ddp, gradcomp.TopK(0.01), schedule=SparsityRamp(dense_steps=2, stage_steps=10),
+                        transform=DGC(model.named_parameters(), momentum=0.9, optimizer=optimizer), backend=backend)
+    elif recipe == "twobit":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        gc_ddp.register(ddp, gradcomp.TwoBit("rms"), schedule=DenseWarmup(5), backend=backend)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(32, 32, generator=generator), torch.randint(0, 10, (32,), generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    dist.destroy_process_group()
+
+
+def run_job(recipe: str, steps: int, backend: str, bucket_cap_mb: float, timeout_s: float):
+    """Run one two-rank job to its end; ``(exit codes, whether stderr showed an abort, stderr tail)``."""
+    from experiments.train import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "experiments.exit_codes", "--rank-of", recipe, "--port", str(port),
+               "--steps", str(steps), "--backend", backend, "--bucket-cap-mb", str(bucket_cap_mb)]
+    procs = [subprocess.Popen(command + ["--rank", str(rank)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for rank in range(2)]
+    codes, errors = [], []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        codes.append(proc.returncode)
+        errors.append(err or "")
+    return codes, any(ABORT in err for err in errors), " | ".join(err[-300:] for err in errors if err.strip())
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=50, help="jobs per recipe")
+    parser.add_argument("--steps", type=int, default=500, help="training steps per job")
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    parser.add_argument("--backend", default="numba", choices=("torch", "numba"))
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size (0.01: per parameter)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per job")
+    parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)  # internal: run one rank
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_of is not None:
+        _rank(args.rank, 2, args.port, args.rank_of, args.steps, args.backend, args.bucket_cap_mb)
+        return
+    table = {}
+    for recipe in args.recipes:
+        codes_seen = collections.Counter()
+        clean = aborts = 0
+        for job in range(args.jobs):
+            codes, aborted, tail = run_job(recipe, args.steps, args.backend, args.bucket_cap_mb, args.timeout_s)
+            clean += codes == [0, 0]
+            aborts += aborted
+            codes_seen.update(code for code in codes if code != 0)
+            print(f"{recipe} job {job + 1}/{args.jobs}: exit codes {codes}" + (f"; {tail}" if tail else ""),
+                  flush=True)
+        table[recipe] = (clean, aborts, dict(codes_seen))
+    print(f"\n{args.jobs} two-rank jobs of {args.steps} steps per recipe, backend {args.backend}")
+    print(f"{'recipe':<12} {'clean':>6} {'aborts':>7}  other exit codes")
+    for recipe, (clean, aborts, others) in table.items():
+        print(f"{recipe:<12} {clean:>6} {aborts:>7}  {others or '-'}")
+
+
+if __name__ == "__main__":
+    main()
