@@ -14,25 +14,13 @@ import gradcomp
 from gradcomp.hooks import ddp as gc_ddp
 from gradcomp.optim import DGC, FrozenVarianceAdam
 from gradcomp.schedule import DenseWarmup, SparsityRamp
+from optim_workers import batch, make_model  # noqa: F401  the model and data of the optimizer-stage tests
 
 TOTAL_STEPS = 40
 LR_WARMUP = 5  # the scheduler's learning rate peaks at step 5
 MIN_NUMEL = 64  # biases travel dense inside the bucket's payload
 MIN_COMPRESSION = 2.0  # a loose byte budget, so that the tiny model still gets a ramp
 WEIGHT_DECAY = {"sgd": 1e-3, "adamw": 0.1}
-
-
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 48), torch.nn.Tanh(), torch.nn.Linear(48, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 3))
-
-
-def batch(rank, step, n=16):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(n, 8, generator=gen)
-    y = torch.stack([x[:, 0] * x[:, 1], torch.sin(x[:, 2]), x[:, 3] - x[:, 4]], dim=1)
-    return x, y
 
 
 def make_optimizer(kind, model, momentum=0.9):
