@@ -1,17 +1,9 @@
 """The engine: one implementation of every step, shared by the DDP hook and the Horovod optimizer.
 
-Where a change goes. A new compressor is a class in ``gradcomp/compressors/`` (stateless,
-registered by name) with kernels in ``gradcomp/backends/`` and ``csrc/``; a new warm-up or
-sparsity schedule goes in ``gradcomp/schedule.py`` and an optimizer-aware stage (DGC momentum)
-in ``gradcomp/optim/``, both plugged into this engine through the ``schedule`` and
-``transform`` slots; what happens to a gradient each step (the order below, error feedback,
-the finite check, validation of received payloads) is written once, here; the settings check
-between ranks lives in :mod:`gradcomp.agreement` and checkpoint validation in
-:mod:`gradcomp.checkpoint` (the engine's methods of those names delegate); how a framework
-launches and awaits a collective is an adapter's :class:`Transport` (``gradcomp/hooks/ddp.py``
-for DDP, ``gradcomp/hooks/horovod/`` for Horovod), which should stay a translation of the
-framework's objects into engine calls. Defaults and argument checks live in :mod:`gradcomp.settings`, counters in
-:mod:`gradcomp.telemetry`.
+What happens to a gradient each step (the order below, error feedback, the finite check, the
+validation of received payloads) is written once, here; the settings check between ranks is
+:mod:`gradcomp.agreement`, checkpoints :mod:`gradcomp.checkpoint`, what adapters implement
+:mod:`gradcomp.transport` (the README's "Where a change goes" has the whole map).
 
 Each step, for each *group* (a DDP bucket, a Horovod parameter or parameter group), given as
 one flat gradient and the names of the parameters laid out in it::
@@ -29,28 +21,15 @@ A dense step (warm-up, a group under ``min_numel``, a compressor whose payload i
 gradient itself) adds the residuals still held for the group into the gradient ("flush", so
 nothing held back is lost) and averages with the framework's own allreduce.
 
-Public API::
+Public API: ``Engine(compressor, transport, ...)`` (the arguments below), ``start(flat_grad, keys,
+numels, group) -> Handle`` (compress and launch; never waits), ``finish(handle, result)`` (validate,
+decode-average into ``flat_grad``, commit; never waits), ``end_step()``, ``stats()``,
+``state_dict()``/``load_state_dict()`` and ``check_agreement(groups)``. What adapters implement is
+:class:`gradcomp.transport.Transport`.
 
-    engine = Engine(compressor, transport, warmup_steps=2, min_numel=1024, error_feedback=True,
-                    backend=None, schedule=None, transform=None, policy=None)
-    #   policy: per-group choice of compressor, e.g. gradcomp.policy.Auto() (see that module)
-    handle = engine.start(flat_grad, keys, numels, group)   # compress + launch; never waits
-    #   handle.work is what the transport returned (a torch Future on DDP, a Horovod handle)
-    averaged = engine.finish(handle, result)   # result: the collective's output tensor;
-    #   validates, decodes, averages into flat_grad (returned), commits residuals; never waits
-    engine.end_step()                          # after the last group of a step
-    engine.step, engine.compressor, engine.schedule, engine.transform, engine.residual_memory,
-    engine.stats(), engine.state_dict(), engine.load_state_dict(d, parameter_numels=...),
-    engine.check_agreement(groups)             # the cross-rank settings check (one tiny collective)
-
-``exchange="two_phase"`` (default ``"allgather"``) exchanges non-summable payloads in two phases
-whose bytes per rank do not grow with the world size (:mod:`gradcomp.two_phase`; its phase 1
-waits for an all-to-all inside ``start``).
-
-``start`` and ``finish`` do not block: on DDP ``finish`` runs inside the future's ``.then``
-(on a device, the finite check that decides the commit stays a device tensor). The only
-blocking call is :meth:`Engine.check_agreement`, run at set-up and when DDP rebuilds its
-buckets, never inside a ``.then``.
+``start`` and ``finish`` do not block (on DDP ``finish`` runs inside the future's ``.then``; the
+finite check that decides the commit stays a device tensor). The blocking calls are the settings
+check (at set-up and DDP's bucket rebuild) and the two-phase exchange's phase 1, inside ``start``.
 
 Extension slots (filled by :mod:`gradcomp.schedule` and :mod:`gradcomp.optim`):
 
@@ -70,17 +49,18 @@ from typing import Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from gradcomp import agreement, checkpoint
+from gradcomp import agreement, checkpoint, settings
 from gradcomp.agreement import AGREEMENT_FIELDS, SettingsMismatchError, spec_of
-from gradcomp.backends import BACKENDS, resolve_backend
+from gradcomp.backends import resolve_backend
 from gradcomp.checkpoint import STATE_FORMAT
 from gradcomp.compressors.base import FLOAT_DTYPES, Compressor
-from gradcomp.compressors.per_parameter import PerParameter
+from gradcomp.compressors.per_parameter import PerParameterCache
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.exchange import average_gathered
-from gradcomp.payload import Payload, PayloadLayout
-from gradcomp.settings import DEFAULT_MIN_NUMEL, DEFAULT_WARMUP_STEPS, check_backend, check_compressor, check_count
+from gradcomp.payload import PayloadLayout
+from gradcomp.settings import DEFAULT_MIN_NUMEL
 from gradcomp.telemetry import Telemetry
+from gradcomp.transport import Handle, Transport
 from gradcomp.two_phase import ExchangeContext, TwoPhaseExchange, check_exchange
 from gradcomp.validation import PayloadError, validate_gathered
 
@@ -90,64 +70,6 @@ logger = logging.getLogger(__name__)
 
 #: How a group's parameters share a compressed payload (see :class:`Engine`).
 GRANULARITIES = ("parameter", "bucket")
-
-
-class Transport:
-    """How an integration launches collectives. Subclassed by each adapter.
-
-    Every method but :meth:`agree` only *launches* and returns the framework's work object,
-    which the adapter awaits and hands to :meth:`Engine.finish` as a tensor.
-    """
-
-    world_size: int = 1
-    rank: int = 0
-
-    def allreduce_average(self, tensor: torch.Tensor, name: str):
-        """Start averaging ``tensor`` in place over the ranks, exactly as the framework's own
-        dense path does (DDP: multiply by 1/P, then sum; Horovod: ``op=Average``)."""
-        raise NotImplementedError
-
-    def allgather(self, buffer: torch.Tensor, name: str):
-        """Start an allgather of the uint8 ``buffer`` (the same size on every rank); the
-        result is ``[P * buffer.numel()]`` bytes, rank ``r``'s at ``r * buffer.numel()``."""
-        raise NotImplementedError
-
-    def all_to_all(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
-        """All-to-all of the uint8 ``buffer`` of ``P`` equal blocks, block ``j`` to rank ``j``; waits
-        and returns uint8 ``[P * block]``, rank ``i``'s block for this rank at ``i * block``. Only
-        the two-phase exchange (:mod:`gradcomp.two_phase`) needs it."""
-        raise NotImplementedError(f"{type(self).__name__} has no all_to_all; use exchange='allgather'")
-
-    def can_allreduce(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether ``allreduce_average`` can sum ``dtype`` tensors (else payloads are gathered)."""
-        return True
-
-    def agree(self, fingerprint: torch.Tensor) -> torch.Tensor:
-        """Blocking allgather of an int64 ``[F]`` CPU tensor; returns int64 ``[P, F]``."""
-        raise NotImplementedError
-
-
-class Handle:
-    """One group's exchange in flight, from :meth:`Engine.start` to :meth:`Engine.finish`."""
-
-    __slots__ = ("group", "keys", "numels", "grad", "mode", "compressor", "payload", "work", "scale")
-
-    def __init__(self, group, keys, numels, grad, mode, compressor=None, payload=None):
-        self.group: Hashable = group
-        self.keys: Tuple[Hashable, ...] = keys
-        self.numels: Tuple[int, ...] = numels
-        self.grad: torch.Tensor = grad  # the flat gradient; receives the average
-        self.mode: str = mode  # "dense" | "allreduce" | "allgather" | "two_phase"
-        self.compressor: Optional[Compressor] = compressor
-        self.payload: Optional[Payload] = payload
-        self.work = None  # the transport's work object (a Future on DDP, a Horovod handle)
-        self.scale = 1.0  # the loss scale the gradient arrived in (see Engine(grad_scaler=))
-
-
-def _default_schedule(warmup_steps: int):
-    from gradcomp.schedule import DenseWarmup
-
-    return DenseWarmup(warmup_steps)
 
 
 class Engine:
@@ -181,9 +103,7 @@ class Engine:
                  warmup_steps: Optional[int] = None, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True,
                  backend: Optional[str] = None, schedule=None, transform=None, exchange: str = "allgather",
                  policy=None, granularity: str = "parameter", grad_scaler=None):
-        self.compressor = check_compressor(compressor)
-        #: The run's ``torch.amp.GradScaler``: gradients arrive multiplied by its scale; the engine
-        #: works in the units of the true gradient so that residuals survive every scale change.
+        self.compressor = settings.check_compressor(compressor)
         self.grad_scaler = grad_scaler
         self._scale_at: Tuple[int, float] = (-1, 1.0)
         if granularity not in GRANULARITIES:
@@ -191,27 +111,14 @@ class Engine:
         #: ``"parameter"``: each parameter of a group compressed on its own (:class:`PerParameter`);
         #: ``"bucket"``: the group as one tensor.
         self.granularity = granularity
-        self._per_parameter: Dict[Tuple[int, Tuple[int, ...]], PerParameter] = {}
+        self._per_parameter = PerParameterCache()
         #: Optional per-group choice of compressor (:class:`gradcomp.policy.Auto`): asked in ``start``
         #: for each group on compressed steps, told in ``finish`` when the group's collective completed.
         self.policy = policy
-        if schedule is not None and warmup_steps is not None:
-            raise ValueError("pass warmup_steps or a schedule, not both (a schedule has its own dense steps)")
-        if schedule is None:
-            schedule = _default_schedule(check_count("warmup_steps", DEFAULT_WARMUP_STEPS if warmup_steps is None
-                                                     else warmup_steps))
-        elif not callable(getattr(schedule, "compressor_at", None)):
-            raise TypeError(f"schedule must have compressor_at(step, base), got {type(schedule).__name__}")
-        if transform is not None:
-            missing = [m for m in ("before_compress", "after_compress", "dense", "commit", "state_dict",
-                                   "load_state_dict") if not callable(getattr(transform, m, None))]
-            if missing:
-                raise TypeError(f"transform {type(transform).__name__} lacks {missing}")
-        self.min_numel = check_count("min_numel", min_numel)
+        schedule, transform = settings.check_schedule(schedule, warmup_steps), settings.check_transform(transform)
+        self.min_numel = settings.check_count("min_numel", min_numel)
         self.error_feedback = bool(error_feedback)
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-        self.backend = backend
+        self.backend = settings.check_backend_name(backend)
         self.schedule = schedule
         self.transform = transform
         self.exchange = check_exchange(exchange)
@@ -239,7 +146,7 @@ class Engine:
 
     @step.setter
     def step(self, value: int) -> None:
-        self.telemetry.step = check_count("step", value)
+        self.telemetry.step = settings.check_count("step", value)
 
     @property
     def warmup_steps(self) -> Optional[int]:
@@ -249,7 +156,7 @@ class Engine:
     def check_backend(self, device) -> str:
         """Resolve the kernel backend for ``device`` now (argument, ``$GRADCOMP_BACKEND`` or automatic):
         adapters call it at set-up, so a bad name or a missing dependency fails before any step."""
-        return check_backend(self.backend, device)
+        return settings.check_backend(self.backend, device)
 
     def compressor_now(self) -> Optional[Compressor]:
         """The compressor of this step (``None``: a dense step), asked of the schedule once per step."""
@@ -430,16 +337,9 @@ class Engine:
 
     def _loss_scale(self) -> float:
         """The grad scaler's scale this step (read once per step; 1.0 without a scaler)."""
-        scaler = self.grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return 1.0
-        step, scale = self._scale_at
-        if step != self.step:
-            scale = float(scaler.get_scale())
-            if not (scale > 0 and scale != float("inf")):
-                raise RuntimeError(f"the grad scaler's scale is {scale}; it must be a positive finite number")
-            self._scale_at = (self.step, scale)
-        return scale
+        if self._scale_at[0] != self.step:
+            self._scale_at = (self.step, settings.loss_scale(self.grad_scaler))
+        return self._scale_at[1]
 
     def end_step(self) -> None:
         """Close the step: telemetry moves on and the schedule sees the next step number."""
@@ -447,33 +347,14 @@ class Engine:
         self._steps_run += 1
 
     def _granular(self, compressor: Compressor, numels: Tuple[int, ...]) -> Compressor:
-        """``compressor`` for a group of parameters of ``numels``: per parameter (cached per
-        compressor and layout) or whole, by :attr:`granularity`."""
+        """``compressor`` for a group of parameters of ``numels``: per parameter or whole, by :attr:`granularity`."""
         if self.granularity == "bucket" or len(numels) < 2:
             return compressor
-        key = (id(compressor), numels)
-        wrapped = self._per_parameter.get(key)
-        if wrapped is None or wrapped.base is not compressor:
-            if len(self._per_parameter) > 256:  # schedules make a few compressors; bound the cache anyway
-                self._per_parameter.clear()
-            wrapped = self._per_parameter[key] = PerParameter(compressor, numels, dense_below=self.min_numel)
-        return wrapped
+        return self._per_parameter.get(compressor, numels, self.min_numel)
 
     def _flush_residuals(self, keys, numels, grad: torch.Tensor) -> None:
-        """Add the residuals still held for ``keys`` into ``grad`` and zero them, so a group
-        that goes dense after being compressed loses nothing it held back."""
-        if not self.residual_memory.keys():
-            return
-        offset, flushed = 0, []
-        for key, n in zip(keys, numels):
-            residual = self.residual_memory.residual(key)
-            if residual is not None:
-                if residual.numel() != n:
-                    raise RuntimeError(f"the residual of {key!r} has {residual.numel()} elements, its gradient {n}")
-                grad[offset: offset + n].add_(residual.to(grad.dtype))
-                residual.zero_()
-                flushed.append(key)
-            offset += n
+        """Send what the residuals hold with this step's ``grad`` (see :meth:`ErrorFeedback.flush_into`)."""
+        flushed = self.residual_memory.flush_into(keys, numels, grad)
         if flushed and not self._flush_logged:
             self._flush_logged = True
             logger.info("gradcomp: residuals of %d parameters flushed into a dense step at step %d (first: %r)",

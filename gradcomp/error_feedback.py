@@ -166,6 +166,24 @@ class ErrorFeedback:
         for old_key in emptied:
             del self._groups[old_key]
 
+    def flush_into(self, keys: Sequence[Hashable], numels: Sequence[int], grad: torch.Tensor) -> List[Hashable]:
+        """Add the residuals held for ``keys`` (laid out by ``numels``) into the flat ``grad``
+        (mutated) and zero them, so a group that goes dense after being compressed loses nothing
+        it held back. Returns the keys that held a residual."""
+        if not self._owner and not self._loaded:
+            return []
+        offset, flushed = 0, []
+        for key, n in zip(keys, numels):
+            residual = self.residual(key)
+            if residual is not None:
+                if residual.numel() != n:
+                    raise RuntimeError(f"the residual of {key!r} has {residual.numel()} elements, its gradient {n}")
+                grad[offset: offset + n].add_(residual.to(grad.dtype))
+                residual.zero_()
+                flushed.append(key)
+            offset += n
+        return flushed
+
     def keys(self) -> List[Hashable]:
         return list(self._owner) + list(self._loaded)
 

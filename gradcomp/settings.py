@@ -21,7 +21,10 @@ from gradcomp.backends import BACKENDS, resolve_backend
 from gradcomp.compressors.base import FLOAT_DTYPES, Compressor
 
 __all__ = ["DEFAULT_WARMUP_STEPS", "DEFAULT_MIN_NUMEL", "check_compressor", "check_count", "check_backend",
-           "check_gradient_dtypes"]
+           "check_gradient_dtypes", "check_schedule", "check_transform", "loss_scale", "check_backend_name"]
+
+#: What the engine calls on a ``transform`` (see :mod:`gradcomp.engine`).
+TRANSFORM_METHODS = ("before_compress", "after_compress", "dense", "commit", "state_dict", "load_state_dict")
 
 DEFAULT_WARMUP_STEPS = 2
 DEFAULT_MIN_NUMEL = 1024
@@ -44,6 +47,13 @@ def check_count(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return value
+
+
+def check_backend_name(backend: Optional[str]) -> Optional[str]:
+    """``backend`` if it is a backend's name or ``None`` (chosen by device), else ``ValueError``."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    return backend
 
 
 def check_backend(backend: Optional[str], device) -> str:
@@ -73,3 +83,37 @@ def _is_identity(compressor: Compressor) -> bool:
     from gradcomp.compressors.casts import Identity
 
     return type(compressor) is Identity
+
+
+def check_schedule(schedule, warmup_steps: Optional[int]):
+    """``schedule``, or the default :class:`gradcomp.schedule.DenseWarmup` of ``warmup_steps``
+    (default :data:`DEFAULT_WARMUP_STEPS`); one of the two, not both."""
+    if schedule is not None and warmup_steps is not None:
+        raise ValueError("pass warmup_steps or a schedule, not both (a schedule has its own dense steps)")
+    if schedule is None:
+        from gradcomp.schedule import DenseWarmup
+
+        return DenseWarmup(check_count("warmup_steps", DEFAULT_WARMUP_STEPS if warmup_steps is None else warmup_steps))
+    if not callable(getattr(schedule, "compressor_at", None)):
+        raise TypeError(f"schedule must have compressor_at(step, base), got {type(schedule).__name__}")
+    return schedule
+
+
+def check_transform(transform):
+    """``transform`` (or ``None``) if it has every method the engine calls."""
+    if transform is not None:
+        missing = [m for m in TRANSFORM_METHODS if not callable(getattr(transform, m, None))]
+        if missing:
+            raise TypeError(f"transform {type(transform).__name__} lacks {missing}")
+    return transform
+
+
+def loss_scale(grad_scaler) -> float:
+    """A ``torch.amp.GradScaler``'s current scale (1.0 for ``None`` or a disabled one); a positive
+    finite float, else ``RuntimeError``. On a GPU reading it is one device sync."""
+    if grad_scaler is None or not grad_scaler.is_enabled():
+        return 1.0
+    scale = float(grad_scaler.get_scale())
+    if not (scale > 0 and scale != float("inf")):
+        raise RuntimeError(f"the grad scaler's scale is {scale}; it must be a positive finite number")
+    return scale

@@ -31,7 +31,7 @@ from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import check_layout
 
-__all__ = ["PerParameter"]
+__all__ = ["PerParameter", "PerParameterCache"]
 
 
 class _Part(NamedTuple):
@@ -152,3 +152,22 @@ class PerParameter(Compressor):
 
     def __repr__(self) -> str:
         return f"PerParameter({self.base!r}, {len(self.numels)} parameters, dense_below={self.dense_below})"
+
+
+class PerParameterCache:
+    """:class:`PerParameter` wrappers by base compressor and layout, so that a group's layouts are
+    built once (a schedule hands out a few compressors; the cache is bounded anyway)."""
+
+    LIMIT = 256
+
+    def __init__(self):
+        self._wrapped = {}
+
+    def get(self, base: Compressor, numels: Tuple[int, ...], dense_below: int) -> PerParameter:
+        key = (id(base), numels, dense_below)
+        wrapped = self._wrapped.get(key)
+        if wrapped is None or wrapped.base is not base:  # an id reused by a new compressor
+            if len(self._wrapped) >= self.LIMIT:
+                self._wrapped.clear()
+            wrapped = self._wrapped[key] = PerParameter(base, numels, dense_below)
+        return wrapped
