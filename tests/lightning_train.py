@@ -11,13 +11,11 @@ parameters, held-out loss and gradcomp stats to ``OUT`` (``torch.save``).
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lightning.pytorch as pl
+import torch
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-
-import ddp_workers as workers  # noqa: E402
-from gradcomp.hooks.lightning import GradcompCallback  # noqa: E402
+import ddp_workers as workers  # tests/ is on PYTHONPATH (see test_frameworks.run_lightning)
+from gradcomp.hooks.lightning import GradcompCallback
 
 LR, MOMENTUM, STEPS_PER_EPOCH = 0.05, 0.9, 4
 

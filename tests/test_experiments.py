@@ -187,13 +187,16 @@ def test_gradcomp_methods_build_their_compressor_from_the_registry():
     assert train.compressor_for(catalog.METHODS["twobit"], args, 0.25).spec == "twobit:0.25"
     rms = train.parse_args(["--threshold", "rms"])
     assert train.compressor_for(catalog.METHODS["twobit"], rms).spec == "twobit:rms"
-    auto = train.parse_args([])  # auto: a placeholder until the warm-up ends
-    assert train.compressor_for(catalog.METHODS["twobit"], auto).spec == "twobit:1.0"
+    assert train.compressor_for(catalog.METHODS["twobit"], train.parse_args([])).spec == "twobit:rms"  # the default
+    auto = train.parse_args(["--threshold", "auto"])  # auto: a placeholder until the warm-up ends
+    assert train.compressor_for(catalog.METHODS["twobit-naive"], auto).spec == "twobit:1.0"
 
 
 def test_catalog_orders_every_method_once():
     assert catalog.ALL_METHODS[0] == "noop" and set(catalog.TIMING_METHODS) < set(catalog.ALL_METHODS)
-    assert catalog.GRADCOMP_METHODS == ("topk", "twobit", "topk-noef", "twobit-noef")
+    assert catalog.GRADCOMP_METHODS == ("topk", "twobit", "topk-noef", "twobit-noef", "topk-naive", "twobit-naive")
+    assert all(catalog.METHODS[m].recipe for m in ("topk", "twobit", "auto"))
+    assert not any(catalog.METHODS[m].recipe for m in ("topk-naive", "twobit-naive"))
     assert sorted(catalog.ALL_METHODS, key=catalog.method_order) == list(catalog.ALL_METHODS)
     assert catalog.method_order("unknown") == len(catalog.ALL_METHODS)
 

@@ -21,7 +21,9 @@ def _spec_text(spec):
 def run_lightning(tmp_path, spec, steps, name, *extra):
     """Run tests/lightning_train.py (Lightning launches rank 1 itself) and load rank 0's result."""
     out = str(tmp_path / f"{name}.pt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    # The script imports the test workers by name: tests/ (and the repository) on its path.
+    path = os.pathsep.join(filter(None, [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "PYTHONPATH": path}
     command = [sys.executable, os.path.join(HERE, "lightning_train.py"), _spec_text(spec), str(steps), out, *extra]
     proc = subprocess.run(command, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
