@@ -49,11 +49,13 @@ def run_train(tmp_path, *args):
 
 
 def _check_compressed_bytes(steps, method):
+    # The recipe starts with 2 dense steps on these short runs (the LR warm-up and 5% of the run are
+    # shorter), then ramps: every later step sends less than dense.
     for step in steps:
-        if method == "dense" or step["step"] < 2:  # 2 dense warm-up steps
+        if method == "dense" or step["step"] < 2:
             assert step["bytes_sent"] == step["dense_bytes"]
         else:
-            assert step["bytes_sent"] < step["dense_bytes"] / 10
+            assert step["bytes_sent"] < step["dense_bytes"]
 
 
 @pytest.mark.multiprocess
@@ -83,9 +85,8 @@ def test_train_digits(tmp_path, method):
     _check_compressed_bytes(events["step"], method)
     final = events["eval"][-1]
     assert 0.0 <= final["accuracy"] <= 1.0 and math.isfinite(final["eval_loss"])
-    if method == "twobit":  # the automatic threshold is chosen after the dense warm-up
-        (threshold,) = events["threshold"]
-        assert threshold["step"] == 1 and 0 < threshold["threshold"] < 1
+    if method == "twobit":  # the recipe's 2-bit scale is per parameter and step: no threshold is chosen
+        assert "threshold" not in events and events["summary"][0]["twobit_threshold"] == "rms"
 
 
 @pytest.mark.multiprocess
