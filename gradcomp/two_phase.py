@@ -124,8 +124,9 @@ def slot_nbytes(compressor: Compressor, numel: int, world_size: int, dtype: torc
 
 
 #: Bytes at the start of every phase-2 slot: the owner's verdict on the phase-1 chunks it received
-#: (int32 ``[2]``: 1 if rejected and the sending rank, then the reason in UTF-8, zero-padded).
-VERDICT_NBYTES = 128
+#: (int32 ``[2]``: 1 if rejected, and the sending rank). Eight bytes, so that the bytes per rank stay
+#: flat in the world size; the owner logs the reason itself.
+VERDICT_NBYTES = 8
 
 
 def phase2_slot_nbytes(compressor: Compressor, numel: int, world_size: int) -> int:
@@ -134,11 +135,10 @@ def phase2_slot_nbytes(compressor: Compressor, numel: int, world_size: int) -> i
 
 
 def write_verdict(slot: torch.Tensor, sender: int, reason: str) -> None:
-    """Write "the chunk from ``sender`` was rejected for ``reason``" into the first
-    :data:`VERDICT_NBYTES` of the uint8 ``slot`` (mutated); the reason is cut to fit."""
-    text = reason.encode("utf-8")[: VERDICT_NBYTES - 8].decode("utf-8", errors="ignore").encode("utf-8")
+    """Write "the chunk from ``sender`` was rejected" into the first :data:`VERDICT_NBYTES` of the
+    uint8 ``slot`` (mutated); ``reason`` goes to this rank's log."""
+    logger.warning("gradcomp: the two-phase chunk sent by rank %d was rejected: %s", sender, reason)
     slot[:8].copy_(torch.tensor([1, sender], dtype=torch.int32).view(torch.uint8).to(slot.device))
-    slot[8: 8 + len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(slot.device))
 
 
 def read_verdict(header: torch.Tensor, owner: int, world_size: int) -> None:
@@ -148,10 +148,10 @@ def read_verdict(header: torch.Tensor, owner: int, world_size: int) -> None:
     if not bool(header.any()):
         return
     flag, sender = header[:8].cpu().view(torch.int32).tolist()
-    reason = bytes(header[8:].cpu().tolist()).rstrip(b"\0").decode("utf-8", errors="replace")
     if flag != 1 or not 0 <= sender < world_size:
         raise PayloadError(f"a malformed verdict header in its two-phase slot (flag {flag}, sender {sender})", owner)
-    raise PayloadError(f"{reason}; found by rank {owner}, the owner of that chunk, in phase 1", sender)
+    raise PayloadError(f"its phase-1 chunk failed validation at rank {owner}, the owner of that chunk (whose log "
+                       "gives the reason)", sender)
 
 
 def _parse_owner_key(name) -> Optional[Tuple[int, int]]:

@@ -51,8 +51,8 @@ def test_two_phase_a_corrupt_chunk_or_average_gets_the_same_error_on_every_rank(
     nothing changed: the gradient, the first-stage residuals and the owners' residuals."""
     if not is_available(backend, "cpu"):
         pytest.skip(f"backend {backend!r} is not installed")
-    results, codes = workers.spawn(workers.two_phase_hostile, 3, str(tmp_path), backend, timeout_s=240,
-                                   pg_timeout_s=30)
+    results, codes = multiprocess.spawn(workers.two_phase_hostile, 3, str(tmp_path), backend, timeout_s=240,
+                                        pg_timeout_s=30, check=False, pass_out_dir=True)
     assert all(result is not None for result in results), f"a rank saved nothing; exit codes {codes}"
     for case in workers.TWO_PHASE_CASES:
         assert results[1][case]["corrupted"] >= 1, f"{case}: the hostile rank never corrupted a payload"

@@ -204,13 +204,9 @@ def test_an_early_freeze_is_warned_about():
 def test_ddp_and_horovod_give_the_same_result_for_the_same_settings(tmp_path):
     """The recipe through Horovod's drop-in optimizer (a unit per parameter) and through DDP (one
     bucket, compressed per parameter) exchange the same bytes, so they train to the same weights."""
-    import os
-    import signal
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from test_horovod import HOROVOD_ERROR, REPO, horovodrun
+    from test_horovod import HOROVOD_ERROR
 
     import recipe_horovod_worker as hvd_worker
 
@@ -218,19 +214,7 @@ def test_ddp_and_horovod_give_the_same_result_for_the_same_settings(tmp_path):
         pytest.fail(f"Horovod is not importable ({HOROVOD_ERROR}); build it with scripts/build_horovod.sh")
     out = tmp_path / "horovod"
     out.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), str(REPO), env.get("PYTHONPATH")]))
-    command = [horovodrun(), "-np", "2", "--gloo", "-H", "localhost:2", sys.executable,
-               str(Path(hvd_worker.__file__)), str(out)]
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"horovodrun did not finish in 300 s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"horovodrun exited with {proc.returncode}:\n{output[-4000:]}"
+    multiprocess.horovodrun(Path(hvd_worker.__file__), [str(out)], 2)
     horovod = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for kind, spec in hvd_worker.CASES:
         ddp = spawn(workers.train_worker, tmp_path / f"ddp-{kind}", kind, spec, "recipe")
