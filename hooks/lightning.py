@@ -48,9 +48,9 @@ class GradcompCallback(Callback):
 
     Args:
         compressor: a :class:`gradcomp.Compressor`.
-        recipe: also pass ``optimizer=`` (the first optimizer from ``configure_optimizers``) and
-            ``total_steps=trainer.estimated_stepping_batches`` to :func:`gradcomp.hooks.ddp.register`
-            (the one-call recipe; needs a ``register`` that takes them).
+        recipe: also pass ``optimizer=`` (the first optimizer from ``configure_optimizers``),
+            ``total_steps=trainer.estimated_stepping_batches`` and, for a per-step LR scheduler,
+            ``scheduler=`` to :func:`gradcomp.hooks.ddp.register` (the one-call recipe).
         log_stats: log ``gradcomp/compression_ratio`` and ``gradcomp/bytes_sent`` (of the last
             step) through the LightningModule's logger after each optimizer step.
         **register_kwargs: passed to :func:`gradcomp.hooks.ddp.register` unchanged
@@ -77,8 +77,14 @@ class GradcompCallback(Callback):
             )
         kwargs = dict(self.register_kwargs)
         if self.recipe:
-            kwargs["optimizer"] = trainer.optimizers[0]
-            kwargs["total_steps"] = trainer.estimated_stepping_batches
+            steps = trainer.estimated_stepping_batches
+            if not steps < float("inf"):
+                raise ValueError("GradcompCallback(recipe=True) needs a bounded run: set Trainer(max_steps=...) "
+                                 "or max_epochs")
+            kwargs["optimizer"], kwargs["total_steps"] = trainer.optimizers[0], int(steps)
+            configs = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
+            if configs:  # the recipe's dense start follows the warm-up of a per-step schedule
+                kwargs["scheduler"] = configs[0].scheduler
         self.state = gc_ddp.register(model, self.compressor, **kwargs)
         if self._pending is not None:
             self.state.load_state_dict(self._pending)
