@@ -141,7 +141,7 @@ def write_verdict(slot: torch.Tensor, sender: int, reason: str) -> None:
     slot[:8].copy_(torch.tensor([1, sender], dtype=torch.int32).view(torch.uint8).to(slot.device))
 
 
-def read_verdict(header: torch.Tensor, owner: int, world_size: int) -> None:
+def read_verdict(header: torch.Tensor, owner: int, world_size: int, group=None) -> None:
     """Raise the :class:`PayloadError` that ``owner``'s verdict header (uint8 ``[VERDICT_NBYTES]``)
     carries, naming the rank that sent the rejected chunk; return if the owner accepted its chunks.
     A header that is neither a verdict nor all zeros names ``owner`` itself as the culprit."""
@@ -149,9 +149,10 @@ def read_verdict(header: torch.Tensor, owner: int, world_size: int) -> None:
         return
     flag, sender = header[:8].cpu().view(torch.int32).tolist()
     if flag != 1 or not 0 <= sender < world_size:
-        raise PayloadError(f"a malformed verdict header in its two-phase slot (flag {flag}, sender {sender})", owner)
-    raise PayloadError(f"its phase-1 chunk failed validation at rank {owner}, the owner of that chunk (whose log "
-                       "gives the reason)", sender)
+        raise PayloadError(f"a malformed verdict header in its two-phase slot (flag {flag}, sender {sender}) "
+                           f"(group {group!r}, two-phase)", owner)
+    raise PayloadError(f"its phase-1 chunk failed validation at rank {owner}, the owner of that chunk, whose log "
+                       f"gives the reason (group {group!r}, two-phase)", sender)
 
 
 def _parse_owner_key(name) -> Optional[Tuple[int, int]]:
@@ -281,7 +282,7 @@ class TwoPhaseExchange:
                                f"expected {world_size} ranks x {slot2}; ranks disagree on the model, its dtypes "
                                "or the compressor settings")
         for owner in range(world_size):  # owner order: every rank raises the same first verdict
-            read_verdict(gathered[owner * slot2: owner * slot2 + VERDICT_NBYTES], owner, world_size)
+            read_verdict(gathered[owner * slot2: owner * slot2 + VERDICT_NBYTES], owner, world_size, handle.group)
         payloads = [self._checked(compressor, layouts2[j], gathered, j, slot2, bounds[j + 1] - bounds[j],
                                   handle.group, VERDICT_NBYTES) for j in range(world_size)]
         out = grad if grad.dtype == torch.float32 else torch.empty(numel, dtype=torch.float32, device=grad.device)

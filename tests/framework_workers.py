@@ -1,4 +1,4 @@
-"""Rank entry points for tests/test_frameworks.py (real Gloo, spawned by ``ddp_workers.spawn``)."""
+"""Rank entry points for tests/test_frameworks.py (real Gloo, spawned by ``multiprocess.spawn``)."""
 import contextlib
 
 import torch

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-import ddp_workers
 import framework_workers
+import multiprocess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPECS = [("topk", 0.1), ("twobit", 0.01)]
@@ -35,7 +35,7 @@ def test_lightning_matches_hand_written_ddp(tmp_path, spec):
     pytest.importorskip("lightning", reason="needs lightning: pip install 'gradcomp[frameworks]'")
     steps = 8
     light = run_lightning(tmp_path, spec, steps, "lightning")
-    hand = ddp_workers.spawn(framework_workers.hand_written, 2, str(tmp_path), spec, steps)[0]
+    hand = multiprocess.spawn(framework_workers.hand_written, 2, str(tmp_path), spec, steps)[0]
     assert light["step"] == hand["step"] == steps
     # The hook really compressed (dense would be ratio 1) and the ratio reached Lightning's logger.
     assert light["stats"]["total"]["compression_ratio"] > 1.5
@@ -63,7 +63,7 @@ def test_lightning_resume_is_bitwise(tmp_path, spec):
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s[0])
 def test_accumulation_no_sync_leaves_residuals_and_counts_optimizer_steps(tmp_path, spec):
     optimizer_steps, micro_steps = 3, 3
-    results = ddp_workers.spawn(framework_workers.accumulation, 2, str(tmp_path), spec, optimizer_steps, micro_steps)
+    results = multiprocess.spawn(framework_workers.accumulation, 2, str(tmp_path), spec, optimizer_steps, micro_steps)
     for result in results:
         records = result["records"]
         assert result["step"] == optimizer_steps
