@@ -56,9 +56,9 @@ def gradient(rank, step, nan=False):
     return grad
 
 
-def make_engine(spec, exchange="two_phase"):
+def make_engine(spec, exchange="two_phase", granularity="parameter"):
     return Engine(from_spec(spec), CountingTransport(TorchDistributedTransport()), warmup_steps=0, min_numel=0,
-                  exchange=exchange)
+                  exchange=exchange, granularity=granularity)
 
 
 def run_steps(engine, rank, steps, nan_at=None, nan_rank=None):
@@ -100,7 +100,8 @@ def engine_worker(rank, world_size, spec, steps, split, nan_at, nan_rank):
     after = snapshot(poisoned)
     later = run_steps(poisoned, rank, [nan_at + 1])
 
-    allgather = make_engine(spec, exchange="allgather")
+    # The cost model prices a group compressed whole (per parameter, each part pads to 8 bytes).
+    allgather = make_engine(spec, exchange="allgather", granularity="bucket")
     run_steps(allgather, rank, range(1))
     return {"outputs": outputs, "handed": handed, "stats": stats, "resumed": resumed_outputs,
             "nan_output": nan_outputs[0], "before": before, "after": after, "later": later[0],
