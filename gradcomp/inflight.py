@@ -3,22 +3,33 @@
 Why this exists. Gloo runs each collective on one of its own threads (``pt_gloo_runloop``). That
 thread completes the collective's future -- which runs the ``.then`` callbacks and releases the rank
 waiting in ``backward()`` -- and only *then* destroys the finished work object, which owns the
-tensors it was handed; the callbacks (Python functions) are destroyed on the same thread. When it
-holds the last reference to a tensor that has a Python object, or to a Python callback, the
-destruction takes the GIL there. If the main thread has meanwhile finished the script and CPython
-has begun finalizing, a thread that takes the GIL is ended with ``pthread_exit``; its forced unwind
-meets a ``noexcept`` destructor and ``std::terminate`` aborts a rank whose work is all done
-("terminate called without an active exception", exit code 134). Measured stack of the aborting
-thread: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` -> ``TensorImpl::decref_pyobject``
--> ``PyEval_RestoreThread`` -> ``pthread_exit`` -> ``_Unwind_ForcedUnwind`` -> ``std::terminate``.
-Slow kernels and busy threads on a loaded machine (Numba's parallel decode on the callback thread)
-only widen the window; any Python-created tensor handed to an asynchronous collective has it.
+tensors it was handed; the callbacks (Python functions) are destroyed on the same thread. A tensor
+that has a Python object needs the GIL whenever its C++ use count falls from 2 to 1
+(``intrusive_ptr::reset_`` calls ``TensorImpl::decref_pyobject``, which hands the Python object back
+to Python), and a callback needs it to be destroyed. If the main thread has meanwhile finished the
+script and CPython has begun finalizing, a thread that takes the GIL is ended with ``pthread_exit``;
+its forced unwind meets a ``noexcept`` destructor and ``std::terminate`` aborts a rank whose work is
+all done ("terminate called without an active exception", exit code 134). Measured stack of the
+aborting thread: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` ->
+``TensorImpl::decref_pyobject`` -> ``PyEval_RestoreThread`` -> ``pthread_exit`` ->
+``_Unwind_ForcedUnwind`` -> ``std::terminate``. Any Python-created tensor handed to a collective,
+blocking or not, has the window; slow kernels and busy threads on a loaded machine only widen it.
 
-The remedy: every tensor handed to a collective is also held here (with the count of references
-it had before), and every callback is watched through a weak reference. Entries are dropped on the
-calling Python thread once the communication thread has let go. At interpreter exit (``atexit``
-runs before finalization starts) the main thread waits, bounded by :data:`EXIT_WAIT_S`, until the
-communication threads have let go of everything, so they never need the GIL after finalization.
+The remedy has two parts:
+
+* Every tensor handed to a collective gets one more C++ owner here (a ``torch.ScriptList``, a
+  C++ list of tensors) before the collective starts, so the communication thread's
+  release is never the 2 -> 1 step: it never takes the GIL for a tensor. The owner is dropped on
+  the calling Python thread once the communication thread has let go (its use count is back to
+  what it was before the collective).
+* Every callback is watched through a weak reference, and at interpreter exit (``atexit`` runs
+  before finalization starts) the main thread waits, bounded by :data:`EXIT_WAIT_S`, until the
+  communication threads have destroyed every callback and let go of every tensor.
+
+Holding the tensor's Python object alone is not enough: the use count then falls from 2 to 1 on
+the communication thread, and counting references from Python cannot tell whether that thread has
+already taken the GIL for it (measured: 1 aborted rank in 36 two-rank jobs, see
+``tests/test_clean_exit.py``).
 """
 from __future__ import annotations
 
@@ -38,7 +49,8 @@ EXIT_WAIT_S = 5.0
 _MAX_HELD = 1024
 
 _lock = threading.Lock()
-_held: List[Tuple[torch.Tensor, int]] = []  # (tensor, its use count before it was handed over)
+# (tensor, its C++ owner here, its use count with that owner before it was handed over)
+_held: List[Tuple[torch.Tensor, object, int]] = []
 _callbacks: Set[weakref.ref] = set()  # callbacks not yet destroyed by the thread that ran them
 _exit_hook_installed = False
 
@@ -51,8 +63,15 @@ def _install_exit_hook() -> None:
 
 
 def _prune() -> None:
-    """Drop held tensors nobody but their usual owners refers to (caller holds :data:`_lock`)."""
-    _held[:] = [(t, base) for t, base in _held[-_MAX_HELD:] if t._use_count() > base]
+    """Drop the tensors (and their owners here) that no collective uses any more (caller holds
+    :data:`_lock`); the last use count step to 1 then happens on this Python thread."""
+    _held[:] = [entry for entry in _held[-_MAX_HELD:] if entry[0]._use_count() > entry[2]]
+
+
+def _owner_of(tensor: torch.Tensor):
+    """A C++ owner of ``tensor``: a one-element ``torch.ScriptList`` (a ``c10::List`` of tensors).
+    A Python container holds only the Python object, and a view holds only its root base."""
+    return torch._C.ScriptList([tensor])
 
 
 def hold(*tensors: torch.Tensor) -> None:
@@ -64,7 +83,9 @@ def hold(*tensors: torch.Tensor) -> None:
     with _lock:
         _install_exit_hook()
         _prune()
-        _held.extend((t, t._use_count()) for t in tensors)
+        for tensor in tensors:
+            owner = _owner_of(tensor)
+            _held.append((tensor, owner, tensor._use_count()))
 
 
 def watch(callback: Callable) -> Callable:

@@ -68,11 +68,13 @@ class TorchDistributedTransport(Transport):
 
     def all_to_all(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         received = torch.empty_like(buffer)
+        inflight.hold(buffer, received)  # blocking, but Gloo's thread still destroys the work after wait()
         dist.all_to_all_single(received, buffer, group=self._group)  # Gloo (CPU) and NCCL have it
         return received
 
     def agree(self, fingerprint: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(fingerprint) for _ in range(self.world_size)]
+        inflight.hold(fingerprint, *parts)
         dist.all_gather(parts, fingerprint, group=self._group)
         return torch.stack(parts)
 

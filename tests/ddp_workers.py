@@ -182,3 +182,43 @@ def count_collective_bytes(rank, world_size, steps):
                 "buckets": len(stats["last_step"]["groups"])}
     finally:
         exchange._all_gather_flat, dist.all_reduce = real_gather, real_reduce
+
+
+def transport_holds(rank, world_size):
+    """Run each collective of the DDP transport once and record which tensors went through
+    ``gradcomp.inflight.hold`` first: ``{collective: (tensors held, tensors handed to Gloo)}``,
+    each as a set of ``(data_ptr, numel)``. The recorder wraps the project's own function; the
+    collectives are real."""
+    from gradcomp import inflight
+
+    held = []
+    original = inflight.hold
+
+    def recording_hold(*tensors):
+        held.extend(tensors)
+        original(*tensors)
+
+    inflight.hold = recording_hold
+    try:
+        transport = gc_ddp.TorchDistributedTransport()
+        keys = lambda tensors: {(t.data_ptr(), t.numel()) for t in tensors}  # noqa: E731
+        report = {}
+        buffer = torch.full((16,), rank, dtype=torch.uint8)
+        gathered = transport.allgather(buffer, "g").wait()[0]
+        report["allgather"] = (keys(held), keys([buffer, gathered]))
+        held.clear()
+        dense = torch.ones(16)
+        reduced = transport.allreduce_average(dense, "r").wait()[0]
+        report["allreduce"] = (keys(held), keys([dense, reduced]))
+        held.clear()
+        outgoing = torch.arange(16, dtype=torch.uint8)
+        received = transport.all_to_all(outgoing, "a")
+        report["all_to_all"] = (keys(held), keys([outgoing, received]))
+        held.clear()
+        fingerprint = torch.tensor([rank, 7], dtype=torch.int64)
+        transport.agree(fingerprint)
+        report["agree"] = (keys(held), {(fingerprint.data_ptr(), fingerprint.numel())})
+        report["released"] = inflight.wait_until_released(timeout_s=10.0)
+        return report
+    finally:
+        inflight.hold = original

@@ -3,17 +3,20 @@
 Gloo's thread completes a collective's future (releasing the rank waiting in backward()) and
 only then destroys the work, which owned the tensors and callbacks Python gave it; when that
 took the GIL after the interpreter had begun finalizing, the rank aborted after a successful
-run ("terminate called without an active exception", exit 134). gradcomp.inflight keeps those
-objects in Python's hands and lets the interpreter's exit wait for Gloo's thread.
-Measured before the fix (2-rank TopK jobs, 2 Numba threads, a loaded 2-core machine): 2 of 30
-jobs aborted with the default switch interval, 4 of 14 with the worker's long one; after: 0.
+run ("terminate called without an active exception", exit 134). gradcomp.inflight gives every
+tensor handed to a collective one more C++ owner, so Gloo's thread never takes the GIL for it,
+and lets the interpreter's exit wait for Gloo's thread to destroy the callbacks.
 """
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
+import ddp_workers as workers
+import multiprocess
+from gradcomp import inflight
 from multiprocess import free_port
 
 WORKER = os.path.join(os.path.dirname(__file__), "clean_exit_worker.py")
@@ -53,3 +56,26 @@ def test_ddp_job_on_numba_exits_cleanly_30_times_in_a_row():
             f"run {run + 1}/{RUNS} ({compressor}): ranks exited with {codes}; stderr tails: "
             + " | ".join(err[-600:] for _, err in results)
         )
+
+
+def test_a_held_tensor_has_one_more_cxx_owner_until_the_collective_lets_go():
+    # The collective's reference is stood in for by a C++ list; what matters is that its release
+    # is never the step from 2 owners to 1, the one that takes the GIL for the Python object.
+    base = torch.zeros(8)
+    for tensor in (base, base[2:6]):  # a view is owned through its own TensorImpl, not its base's
+        alone = tensor._use_count()
+        inflight.hold(tensor)
+        assert tensor._use_count() == alone + 1
+        collective = torch._C.ScriptList([tensor])
+        assert inflight.pending() >= 1 and tensor._use_count() == alone + 2
+        del collective  # the collective lets go: 3 -> 2 on its thread, no GIL needed
+        assert inflight.wait_until_released(timeout_s=1.0)
+        assert tensor._use_count() == alone  # the owner was dropped here, on the Python thread
+
+
+@pytest.mark.multiprocess
+def test_every_tensor_the_ddp_transport_hands_to_gloo_is_held_first(tmp_path):
+    for report in multiprocess.spawn(workers.transport_holds, 2, tmp_path):
+        assert report.pop("released")
+        for collective, (held, handed) in report.items():
+            assert handed <= held, f"{collective}: handed to Gloo but not held: {handed - held}"
