@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from gradcomp.backends import checks, register
-from gradcomp.backends.numba import topk, twobit
+from gradcomp.backends.numba import topk, topk_decode, twobit
 from gradcomp.backends.numba.concurrency import serialized
 
 # Half-precision tensors cross into Numba as their bits; the integer dtype names the format.
@@ -79,6 +79,6 @@ def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
 @serialized
 def topk_decompress_add(values, indices, out) -> None:
     n, _ = checks.check_topk_decompress_add(values, indices, out)
-    if topk.decompress_add_kernel(as_array(values), as_array(indices), as_array(out)):
+    if topk_decode.decompress_add_kernel(as_array(values), as_array(indices), as_array(out)):
         problem = checks.topk_index_problem(indices, n)
         raise ValueError(f"topk_decompress_add: {problem}; nothing was written")

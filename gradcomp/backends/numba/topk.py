@@ -41,7 +41,6 @@ from gradcomp.backends.numba.common import (
     f32_from_bits,
     key_of_bits,
     key_of_f32,
-    load,
     load_acc,
     residual_target,
     roundtrip,
@@ -335,41 +334,6 @@ def compress_kernel(
             values, indices, out_start[c], out_start[c + 1], residual_in, residual_out,
         )
     return cand_start[nchunks], bound_start[nchunks]
-
-
-@njit(cache=True)
-def count_not_increasing(indices):
-    """How many ``j >= 1`` have ``indices[j] <= indices[j - 1]`` (0: strictly increasing).
-
-    A flat loop over unsigned positions that LLVM vectorises: it streams the indices once.
-    """
-    count = 0
-    one = np.uint64(1)
-    for j in range(one, np.uint64(indices.size)):
-        count += indices[j] <= indices[j - one]
-    return count
-
-
-@njit(parallel=True, cache=True)
-def decompress_add_kernel(values, indices, out):
-    """``out[indices[j]] += values[j]`` for every ``j``, if the indices strictly increase
-    and lie in ``[0, out.size)``; otherwise nothing is written.
-
-    Returns 0 when it decoded, else a positive count of failures. Checking first, in its
-    own pass, is what makes the parallel writes safe: valid indices are unique, so no two
-    threads add to the same element (duplicates would race and lose updates), and none
-    writes outside ``out`` (a peer's index is untrusted input). Strictly increasing with
-    the first >= 0 and the last < n means every index is in range.
-    """
-    k = values.size
-    if k == 0:
-        return 0
-    bad = count_not_increasing(indices) + np.int64(indices[0] < 0) + np.int64(indices[k - 1] >= out.size)
-    if bad == 0:
-        for j in prange(k):
-            i = indices[j]
-            out[i] = out[i] + load(values, j)
-    return bad
 
 
 # Grow-only scratch, reused across calls: fresh buffers of a few MiB would be page-faulted
