@@ -27,7 +27,9 @@ run states:
   ramp and says that the budget is missed.
 * **optimizer stage**: SGD with momentum hands its momentum (and L2 weight decay) to
   :class:`~gradcomp.optim.DGC`; Adam/AdamW freezes its variance at ``D`` and exchanges its
-  momentum in update units (:class:`~gradcomp.optim.FrozenVarianceAdam`); anything else gets error
+  momentum in update units, each rank keeping its own momentum (:class:`~gradcomp.optim.FrozenVarianceAdam`,
+  ``momentum="local"``: on the GRU ``proselm``, 600 steps, the top-k recipe ended +4.4% above dense
+  with it and +12.6% when the sparse average replaced the momentum); anything else gets error
   feedback and the dense start, with a warning that names what is not covered. 2-bit under
   SGD-momentum did not converge with either arrangement measured, so the recipe sends top-k at
   2-bit's bytes instead and says so in a log line.
@@ -246,8 +248,10 @@ def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list
     from gradcomp.optim import DGC, FrozenVarianceAdam
 
     if isinstance(optimizer, torch.optim.Adam):
-        return FrozenVarianceAdam(optimizer, named, freeze_step=dense_steps, units="update", step_hook=step_hook), \
-            f"frozen-variance {type(optimizer).__name__} (freeze at step {dense_steps}, momentum in update units)"
+        stage = FrozenVarianceAdam(optimizer, named, freeze_step=dense_steps, units="update", momentum="local",
+                                   step_hook=step_hook)
+        return stage, (f"frozen-variance {type(optimizer).__name__} (freeze at step {dense_steps}, each rank's "
+                       "momentum sent in update units)")
     if isinstance(optimizer, torch.optim.SGD):
         groups = optimizer.param_groups
         momenta = {float(g.get("momentum", 0.0)) for g in groups}

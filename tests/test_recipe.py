@@ -151,22 +151,54 @@ def test_stages_take_the_names_of_the_wrapped_or_the_unwrapped_model():
 
 def test_frozen_variance_adam_is_compressed_adamw_on_a_users_adamw():
     """With the identity exchange (one rank), torch's AdamW + FrozenVarianceAdam in momentum
-    units follows CompressedAdamW step for step."""
+    units follows CompressedAdamW step for step: with the averaged momentum (CompressedAdamW's
+    arrangement), and with the local one committed after each exchange (one rank: the same)."""
+    for momentum in ("averaged", "local"):
+        _follow_compressed_adamw(momentum)
+
+
+def _follow_compressed_adamw(momentum):
     named_a, named_b = named_mlp(), named_mlp()
     ours = CompressedAdamW(named_a, lr=1e-2, weight_decay=0.1, freeze_step=4)
     user = torch.optim.AdamW([p for _, p in named_b], lr=1e-2, weight_decay=0.1)
-    stage = FrozenVarianceAdam(user, named_b, freeze_step=4, units="momentum")
+    stage = FrozenVarianceAdam(user, named_b, freeze_step=4, units="momentum", momentum=momentum)
     for step in range(12):
         for (name, a), (_, b) in zip(named_a, named_b):
             g = torch.randn(a.shape, generator=torch.Generator().manual_seed(step * 100 + len(name)))
             a.grad = ours.transform.before_compress([name], [a.numel()], g.reshape(-1)).reshape(a.shape).clone()
             b.grad = stage.before_compress([name], [b.numel()], g.reshape(-1)).reshape(b.shape).clone()
+            stage.commit([name])
         ours.step()
         user.step()
         for (name, a), (_, b) in zip(named_a, named_b):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=f"step {step} {name}")
     assert all("frozen_denom" in user.state[p] for _, p in named_b)
     assert math.isclose(float(user.state[named_b[0][1]]["step"]), 12)
+
+
+def test_local_momentum_keeps_what_the_compressor_dropped():
+    """After the freeze a lossy exchange (one rank, the top tenth of the update kept) reaches the
+    parameters either way; the next momentum starts from the rank's local one (momentum="local")
+    or from the decoded average ("averaged"). A refused step leaves the local momentum alone."""
+    for momentum in ("local", "averaged"):
+        weight = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(0)))
+        user = torch.optim.AdamW([weight], lr=1e-2)
+        stage = FrozenVarianceAdam(user, [("w", weight)], freeze_step=10, momentum=momentum)
+        for step in range(13):
+            g = torch.randn(64, generator=torch.Generator().manual_seed(step + 1))
+            sent = stage.before_compress(["w"], [64], g)  # the local momentum / denom after the freeze
+            decoded = torch.where(sent.abs() >= sent.abs().topk(6).values[-1], sent, torch.zeros_like(sent))
+            weight.grad = decoded.clone()
+            stage.commit(["w"], accept=True)
+            user.step()
+        state = user.state[weight]
+        kept = decoded if momentum == "averaged" else sent
+        torch.testing.assert_close(state["exp_avg"], kept * state["frozen_denom"])
+        if momentum == "local":
+            before = state["exp_avg"].clone()
+            stage.before_compress(["w"], [64], torch.ones(64))
+            stage.commit(["w"], accept=torch.tensor(False))  # a step some rank found non-finite
+            assert torch.equal(state["exp_avg"], before)
 
 
 @pytest.mark.multiprocess

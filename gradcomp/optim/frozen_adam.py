@@ -10,13 +10,25 @@ have to change it. :class:`FrozenVarianceAdam` gives that optimizer the same rec
    ``max(sqrt(v_hat), floor * mean sqrt(v_hat)) + eps`` is computed once from the optimizer's own
    ``exp_avg_sq`` and kept in its state (``"frozen_denom"``, saved by ``optimizer.state_dict()``).
    The floor keeps never-updated coordinates from turning the first momentum into a huge step.
-3. **Compressed phase**: each rank sends its local momentum ``b1 * m + (1 - b1) * g`` (Adam's L2
-   term ``wd * p`` added to ``g`` first) -- in ``units="update"`` divided by the frozen denominator,
-   so top-k picks the largest *updates* and a 2-bit scale fits every coordinate -- and the engine
-   averages it with error feedback. The averaged momentum, identical on every rank, reaches the
-   optimizer as the gradient; a step pre-hook applies ``p -= lr * m / (1 - b1^t) / denom`` (AdamW:
-   after ``p *= 1 - lr * wd``), advances the optimizer's step count and clears ``p.grad`` so that
-   the optimizer's own step leaves the parameter alone.
+3. **Compressed phase**: each rank sends its local momentum ``m' = b1 * m + (1 - b1) * g`` (Adam's
+   L2 term ``wd * p`` added to ``g`` first) -- in ``units="update"`` divided by the frozen
+   denominator, so top-k picks the largest *updates* and a 2-bit scale fits every coordinate -- and
+   the engine averages it with error feedback. The average ``a``, identical on every rank, reaches
+   the optimizer as the gradient; a step pre-hook applies ``p -= lr * a / (1 - b1^t)`` (``/ denom``
+   in ``units="momentum"``; AdamW: after ``p *= 1 - lr * wd``), advances the optimizer's step
+   count and clears ``p.grad`` so that the optimizer's own step leaves the parameter alone.
+
+   What becomes the optimizer's ``exp_avg`` is the ``momentum`` setting. ``"local"`` (default):
+   each rank keeps its own ``m'`` (written when the engine commits the step), so a gradient keeps
+   driving ``b1 / (1 - b1)`` later steps whatever the compressor dropped, and over the run the
+   averages sent add up to dense Adam's updates (the local momenta average to the global one).
+   ``"averaged"``: ``exp_avg`` becomes the decoded average ``a`` (1-bit Adam's arrangement, right
+   for a dense quantizer); a sparse ``a`` then restarts the momentum from zero at every coordinate
+   it did not send. Measured on the GRU ``proselm`` (1 process, AdamW frozen at step 30, top-k with
+   error feedback, 600 steps, held-out loss vs dense 1.834): density 1%: averaged 2.184, local
+   1.981; density 5%: averaged 1.973, local 1.872. With ``"local"`` the ``exp_avg`` of each rank
+   differs: save the optimizer's state on every rank (as the engine's residuals) for a bitwise
+   resume; loading rank 0's everywhere keeps the replicas equal but changes the momentum.
 
 LR schedulers, ``optimizer.state_dict()``/``load_state_dict()`` and param groups keep working:
 the stage reads everything from the optimizer at each call and keeps no copy. ``amsgrad`` and
@@ -26,7 +38,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, Hashable, Iterable, Tuple, Union
+from typing import Dict, Hashable, Iterable, List, Tuple, Union
 
 import torch
 
@@ -39,6 +51,7 @@ __all__ = ["FrozenVarianceAdam"]
 MIN_STEADY_FREEZE = 10
 
 UNITS = ("momentum", "update")
+MOMENTA = ("local", "averaged")
 
 
 def _decoupled(optimizer, group) -> bool:
@@ -54,6 +67,8 @@ class FrozenVarianceAdam:
         named_parameters: ``(name, parameter)`` pairs of the module DDP wraps (the engine's keys).
         freeze_step: optimizer steps of plain Adam before the variance freezes (>= 1).
         units: ``"update"`` (momentum / frozen denominator, the default) or ``"momentum"``.
+        momentum: ``"local"`` (default: ``exp_avg`` is each rank's own momentum) or ``"averaged"``
+            (``exp_avg`` is the decoded average, the same on every rank); see the module docstring.
         variance_floor: floor of a frozen ``sqrt(v_hat)`` as a fraction of the tensor's mean.
         step_hook: register :meth:`before_optimizer_step` as the optimizer's step pre-hook (DDP).
             An integration whose ``step()`` first averages the gradients (Horovod's optimizer)
@@ -62,7 +77,8 @@ class FrozenVarianceAdam:
     """
 
     def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], freeze_step: int,
-                 units: str = "update", variance_floor: float = 0.1, step_hook: bool = True):
+                 units: str = "update", variance_floor: float = 0.1, step_hook: bool = True,
+                 momentum: str = "local"):
         if not isinstance(optimizer, torch.optim.Adam):
             raise TypeError(f"FrozenVarianceAdam takes a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
         for index, group in enumerate(optimizer.param_groups):
@@ -78,6 +94,8 @@ class FrozenVarianceAdam:
                           "uses 5% of the run at least), or the frozen denominators may be far off")
         if units not in UNITS:
             raise ValueError(f"units must be one of {UNITS}, got {units!r}")
+        if momentum not in MOMENTA:
+            raise ValueError(f"momentum must be one of {MOMENTA}, got {momentum!r}")
         if not 0.0 <= variance_floor <= 1.0:
             raise ValueError(f"variance_floor must be in [0, 1], got {variance_floor}")
         self.optimizer = optimizer
@@ -88,6 +106,10 @@ class FrozenVarianceAdam:
             raise ValueError(f"parameters {unmanaged[:5]} are not in the optimizer; the recipe needs every "
                              "parameter DDP averages to be stepped by it")
         self.freeze_step, self.units, self.variance_floor = freeze_step, units, float(variance_floor)
+        self.momentum = momentum
+        # Local momenta computed for the step in flight, per group of keys; the optimizer's
+        # exp_avg takes them when the engine commits the step (momentum="local").
+        self._pending: Dict[Tuple[Hashable, ...], List[Tuple[torch.Tensor, torch.Tensor]]] = {}
         self._hook = optimizer.register_step_pre_hook(self._frozen_step) if step_hook else None
 
     def parameter_names(self):
@@ -120,10 +142,12 @@ class FrozenVarianceAdam:
         """The local quantity to send (float32 ``[n]``): ``grad`` before the freeze, the local
         momentum (in update units: / denom) after. ``grad`` is not mutated."""
         params = [self._param(key) for key in keys]
+        self._pending.pop(tuple(keys), None)
         if not any(self.frozen(p) for p in params):
             return grad
         groups = self._groups()
         out = torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
+        local_momenta = []
         offset = 0
         for param, n in zip(params, numels):
             piece, target = grad[offset: offset + n].float(), out[offset: offset + n]
@@ -136,8 +160,12 @@ class FrozenVarianceAdam:
                 piece = piece + group["weight_decay"] * param.detach().reshape(-1).float()
             exp_avg = self.optimizer.state[param]["exp_avg"].reshape(-1).float()
             torch.lerp(exp_avg, piece, 1 - group["betas"][0], out=target)
+            if self.momentum == "local":
+                local_momenta.append((self.optimizer.state[param]["exp_avg"], target.clone()))
             if self.units == "update":
                 target.div_(self._denom(param, group).reshape(-1))
+        if local_momenta:
+            self._pending[tuple(keys)] = local_momenta
         return out
 
     dense = before_compress  # a dense step sends the same quantity, whole
@@ -146,7 +174,14 @@ class FrozenVarianceAdam:
         pass
 
     def commit(self, keys, accept: Union[bool, torch.Tensor] = True) -> None:
-        pass  # the state is the optimizer's, written only by its step
+        """With ``momentum="local"``, make each frozen parameter's local momentum of this step its
+        ``exp_avg`` if ``accept`` (may be a 0-d device tensor); otherwise nothing to do."""
+        for exp_avg, local in self._pending.pop(tuple(keys), ()):
+            local = local.view_as(exp_avg).to(exp_avg.dtype)
+            if isinstance(accept, torch.Tensor):
+                exp_avg.copy_(torch.where(accept, local, exp_avg))
+            elif accept:
+                exp_avg.copy_(local)
 
     def _param(self, key) -> torch.nn.Parameter:
         try:
@@ -172,22 +207,22 @@ class FrozenVarianceAdam:
                     continue
                 state = optimizer.state[param]
                 denom = self._denom(param, group)
-                exp_avg = state["exp_avg"]
-                if self.units == "update":
-                    torch.mul(param.grad, denom, out=exp_avg)
-                else:
-                    exp_avg.copy_(param.grad)
+                # The averaged momentum: in update units it is already divided by denom.
+                average = param.grad * denom if self.units == "update" else param.grad
+                if self.momentum == "averaged":
+                    state["exp_avg"].copy_(average)
                 t = self._steps_done(param) + 1
                 if wd and _decoupled(optimizer, group):
                     param.mul_(1 - lr * wd)
-                param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**t))
+                param.addcdiv_(average, denom, value=-lr / (1 - beta1**t))
                 state["step"] += 1
                 param.grad = None
 
     # -- settings and checkpoints (the numbers live in the optimizer's own state_dict) ----------
     def _recipe(self) -> dict:
         """The settings a checkpoint must have been saved with (the learning rate may change)."""
-        return {"freeze_step": self.freeze_step, "units": self.units, "variance_floor": self.variance_floor}
+        return {"freeze_step": self.freeze_step, "units": self.units, "variance_floor": self.variance_floor,
+                "momentum": self.momentum}
 
     def settings(self) -> dict:
         """Every setting that changes how a replica moves, one entry per argument of ``__init__``
