@@ -8,6 +8,8 @@ op                       signature (all tensors 1-D and contiguous)
 =======================  ===========================================================
 ``twobit_compress``      ``(grad, residual_in, residual_out, threshold, codes)``
 ``twobit_decompress_add````(codes, threshold, out)``
+``twobit_chunk_compress````(grad, residual_in, residual_out, codes, scales)``
+``twobit_chunk_decompress_add`` ``(codes, scales, out)``
 ``topk_compress``        ``(grad, residual_in, residual_out, values, indices)``
 ``topk_decompress_add``  ``(values, indices, out)``
 =======================  ===========================================================
@@ -32,6 +34,20 @@ at bits ``2 * (i % 16)`` and ``2 * (i % 16) + 1``:
 
 Unused bits of the last word are zero.
 
+Chunk-scaled 2-bit (``twobit_chunk_*``): the same codes, with a magnitude per chunk of 64
+elements (``scales`` float32 ``[ceil(n / 64)]``, four code words per chunk) taken from the chunk
+itself, as Ternary Weight Networks choose theirs. For chunk ``c`` of ``L`` elements, with
+``m_i = |acc_i|`` (0 for a non-finite ``acc_i``) and sums taken in float32 by the halving tree
+``s[j] += s[j + h]``, ``h = 32, 16, ..., 1`` over 64 slots (zeros past ``L``)::
+
+    tau   = (sum m_i / L) * 0.7f
+    keep  = finite and m_i > tau
+    alpha = (sum of m_i over keep) / count(keep)     (0 when nothing is kept)
+
+and the codes are ``0b01`` (``keep``, ``acc > 0``: ``+alpha``), ``0b10`` (``keep``, ``acc < 0``:
+``-alpha``), ``0b11`` (non-finite: NaN) or ``0b00`` (0); the residual is ``acc - decoded`` (``acc``
+for codes ``0b00`` and ``0b11``). Decoding adds ``+alpha``, ``-alpha``, ``+0.0`` or NaN.
+
 Top-k. ``k = values.numel()``. The selection is the ``k`` entries of largest ``|acc|``,
 where magnitude is ordered by the bits of ``|acc|`` read as an unsigned integer (so NaN >
 inf > every finite value, as in ``torch.topk``), ties broken towards the lower index.
@@ -47,7 +63,7 @@ selected indices are written in ascending order (int32, or int64 when ``n >= 2**
 Untrusted input. Decoders read payloads that came from other processes, so every op of
 every backend checks its arguments first (:mod:`gradcomp.backends.checks`: dtypes raise
 ``TypeError``; shapes and sizes -- residuals of ``n``, ``k`` indices for ``k`` values,
-``k <= n``, ``ceil(n / 16)`` code words -- raise ``ValueError``), before anything is
+``k <= n``, ``ceil(n / 16)`` code words, ``ceil(n / 64)`` chunk scales -- raise ``ValueError``), before anything is
 written. ``topk_decompress_add`` also rejects indices that do not strictly increase
 inside ``[0, n)`` (out of range, negative, duplicate or unsorted) with ``ValueError`` and
 writes nothing; the numba and CUDA kernels check inside the kernel (``n`` is passed to
@@ -65,7 +81,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-OPS = ("twobit_compress", "twobit_decompress_add", "topk_compress", "topk_decompress_add")
+OPS = ("twobit_compress", "twobit_decompress_add", "twobit_chunk_compress", "twobit_chunk_decompress_add",
+       "topk_compress", "topk_decompress_add")
 BACKENDS = ("torch", "numba", "cuda")
 ENV_VAR = "GRADCOMP_BACKEND"
 

@@ -66,6 +66,23 @@ def check_twobit_decompress_add(codes, out) -> int:
     return n
 
 
+def check_twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> int:
+    """Returns ``n``; ``codes`` int32 ``[ceil(n / 16)]``, ``scales`` float32 ``[ceil(n / 64)]``."""
+    n = check_compress("twobit_chunk_compress", grad, residual_in, residual_out)
+    check_vector("twobit_chunk_compress", "codes", codes, (torch.int32,), (n + 15) // 16)
+    check_vector("twobit_chunk_compress", "scales", scales, (torch.float32,), (n + 63) // 64)
+    return n
+
+
+def check_twobit_chunk_decompress_add(codes, scales, out) -> int:
+    """Returns ``n = out.numel()``; ``codes`` int32 ``[ceil(n / 16)]``, ``scales`` float32 ``[ceil(n / 64)]``."""
+    check_vector("twobit_chunk_decompress_add", "out", out, (torch.float32,))
+    n = out.numel()
+    check_vector("twobit_chunk_decompress_add", "codes", codes, (torch.int32,), (n + 15) // 16)
+    check_vector("twobit_chunk_decompress_add", "scales", scales, (torch.float32,), (n + 63) // 64)
+    return n
+
+
 def check_topk_compress(grad, residual_in, residual_out, values, indices) -> Tuple[int, int]:
     """Returns ``(n, k)``: ``k = values.numel() <= n`` and ``k`` indices."""
     op = "topk_compress"

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = os.path.dirname(os.path.abspath(gradcomp.csrc.__file__))
 #: Kernel sources compiled into one module, in this order.
-SOURCE_FILES = ("twobit.cu", "topk.cu")
+SOURCE_FILES = ("twobit.cu", "twobit_chunk.cu", "topk.cu")
 #: ``GRADCOMP_MAX_THREADS`` of ``csrc/gradcomp_common.cuh``: shared arrays are sized for it.
 MAX_THREADS = 256
 #: Options for NVRTC. No fast-math: the kernels must match the torch reference bit for bit.
@@ -115,6 +115,33 @@ def plan_twobit_decompress_add(launch: Launch, config: LaunchConfig, codes, thre
         config.threads,
         (_ptr(codes), numpy.float32(threshold), _ptr(out), numpy.int64(n)),
     )
+
+
+def chunk_threads(config: LaunchConfig) -> int:
+    """Threads per block of the chunk-scaled kernel: a multiple of its 64-element chunk."""
+    return max(64, config.threads // 64 * 64)
+
+
+def plan_twobit_chunk_compress(launch: Launch, config: LaunchConfig, grad, residual_in, residual_out, codes, scales):
+    n = checks.check_twobit_chunk_compress(grad, residual_in, residual_out, codes, scales)
+    if n == 0:
+        return
+    threads = chunk_threads(config)
+    groups = -(-n // threads)  # a block takes threads / 64 chunks at a time
+    launch(
+        f"gradcomp_twobit_chunk_compress_{_DTYPE_SUFFIX[grad.dtype]}",
+        min(groups, config.max_blocks),
+        threads,
+        (_ptr(grad), _ptr(residual_in), _ptr(residual_out), _ptr(codes), _ptr(scales), numpy.int64(n)),
+    )
+
+
+def plan_twobit_chunk_decompress_add(launch: Launch, config: LaunchConfig, codes, scales, out):
+    n = checks.check_twobit_chunk_decompress_add(codes, scales, out)
+    if n == 0:
+        return
+    launch("gradcomp_twobit_chunk_decompress_add", config.blocks(n), config.threads,
+           (_ptr(codes), _ptr(scales), _ptr(out), numpy.int64(n)))
 
 
 def plan_topk_compress(launch: Launch, config: LaunchConfig, grad, residual_in, residual_out, values, indices):
@@ -330,3 +357,14 @@ def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
 @register("topk_decompress_add", "cuda")
 def topk_decompress_add(values, indices, out) -> None:
     _run_on_device(plan_topk_decompress_add, (values, indices, out), values, indices, out)
+
+
+@register("twobit_chunk_compress", "cuda")
+def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> None:
+    _run_on_device(plan_twobit_chunk_compress, (grad, residual_in, residual_out, codes, scales),
+                   grad, residual_in, residual_out, codes, scales)
+
+
+@register("twobit_chunk_decompress_add", "cuda")
+def twobit_chunk_decompress_add(codes, scales, out) -> None:
+    _run_on_device(plan_twobit_chunk_decompress_add, (codes, scales, out), codes, scales, out)

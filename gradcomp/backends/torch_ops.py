@@ -97,3 +97,82 @@ def topk_decompress_add(values, indices, out) -> None:
     # indices are unique, so index_add_ has no collisions to order.
     checks.check_topk_indices("topk_decompress_add", indices, n)
     out.index_add_(0, indices.to(torch.int64), values.to(torch.float32))
+
+
+#: Elements per scale of the chunk-scaled 2-bit code (four code words).
+CHUNK = 64
+#: The ternary threshold as a share of a chunk's mean magnitude (Ternary Weight Networks, Li & Liu 2016:
+#: ``0.7 E|x|`` approximates the L2-optimal threshold for Gaussian and uniform data).
+CHUNK_THRESHOLD = 0.7
+
+
+def chunk_sums(x: torch.Tensor) -> torch.Tensor:
+    """Sums of ``x`` float32 ``[chunks, 64]`` per row, by the halving tree every backend uses:
+    ``s[j] += s[j + h]`` for ``h = 32, 16, ..., 1`` (the order fixes the rounding)."""
+    half = x.shape[1] // 2
+    while half >= 1:
+        x = x[:, :half] + x[:, half: 2 * half]
+        half //= 2
+    return x[:, 0]
+
+
+def chunk_scales(acc: torch.Tensor):
+    """``(keep, alpha)`` of the chunk-scaled code for float32 ``acc`` ``[n]``: per element whether it
+    is sent (``|acc| > 0.7 * mean |acc|`` of its chunk, finite), per chunk the magnitude sent
+    (the mean ``|acc|`` of the kept elements, 0 if none). Non-finite elements count as 0."""
+    n = acc.numel()
+    chunks = (n + CHUNK - 1) // CHUNK
+    magnitude = torch.zeros(chunks * CHUNK, dtype=torch.float32, device=acc.device)
+    finite = torch.isfinite(acc)
+    magnitude[:n] = torch.where(finite, acc.abs(), torch.zeros_like(acc))
+    magnitude = magnitude.view(chunks, CHUNK)
+    lengths = torch.full((chunks,), CHUNK, dtype=torch.float32, device=acc.device)
+    if n % CHUNK:
+        lengths[-1] = n % CHUNK
+    tau = chunk_sums(magnitude) / lengths * torch.tensor(CHUNK_THRESHOLD, dtype=torch.float32)
+    keep = magnitude > tau.unsqueeze(1)
+    count = keep.sum(dim=1)
+    kept = chunk_sums(torch.where(keep, magnitude, torch.zeros_like(magnitude)))
+    alpha = torch.where(count > 0, kept / count.clamp(min=1).to(torch.float32), torch.zeros_like(kept))
+    return keep.reshape(-1)[:n], alpha
+
+
+def pack_codes(code: torch.Tensor, codes: torch.Tensor) -> None:
+    """Pack int64 2-bit ``code`` ``[n]`` into int32 ``codes`` (16 to a word, element ``i`` at bits ``2 * (i % 16)``)."""
+    words = codes.numel()
+    padded = torch.zeros(words * 16, dtype=torch.int64, device=code.device)
+    padded[: code.numel()] = code
+    shifts = torch.arange(16, device=code.device, dtype=torch.int64) * 2
+    packed = (padded.view(words, 16) << shifts).sum(dim=1)  # fits in 32 bits, unsigned
+    codes.copy_(torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32))
+
+
+@register("twobit_chunk_compress", "torch")
+def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> None:
+    checks.check_twobit_chunk_compress(grad, residual_in, residual_out, codes, scales)
+    acc = compensate(grad, residual_in)
+    keep, alpha = chunk_scales(acc)
+    scales.copy_(alpha)
+    a = alpha.repeat_interleave(CHUNK)[: acc.numel()]
+    positive, negative = keep & (acc > 0), keep & (acc < 0)
+    code = torch.zeros(acc.shape, dtype=torch.int64, device=acc.device)
+    code[positive] = _CODE_POS
+    code[negative] = _CODE_NEG
+    code[~torch.isfinite(acc)] = _CODE_NONFINITE
+    if residual_out is not None:
+        residual = acc.clone()
+        residual[positive] = acc[positive] - a[positive]
+        residual[negative] = acc[negative] + a[negative]
+        residual_out.copy_(residual)
+    pack_codes(code, codes)
+
+
+@register("twobit_chunk_decompress_add", "torch")
+def twobit_chunk_decompress_add(codes, scales, out) -> None:
+    checks.check_twobit_chunk_decompress_add(codes, scales, out)
+    n = out.numel()
+    shifts = torch.arange(16, device=codes.device, dtype=torch.int64) * 2
+    code = ((codes.to(torch.int64).unsqueeze(1) >> shifts) & 3).reshape(-1)[:n]
+    a = scales.repeat_interleave(CHUNK)[:n]
+    nan = torch.full_like(a, float("nan"))
+    out.add_(torch.where(code == 1, a, torch.where(code == 2, -a, torch.where(code == 0, torch.zeros_like(a), nan))))

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from gradcomp.backends import checks, register
-from gradcomp.backends.numba import topk, topk_decode, twobit
+from gradcomp.backends.numba import topk, topk_decode, twobit, twobit_chunk
 from gradcomp.backends.numba.concurrency import serialized
 
 # Half-precision tensors cross into Numba as their bits; the integer dtype names the format.
@@ -55,6 +55,21 @@ def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) ->
 def twobit_decompress_add(codes, threshold: float, out) -> None:
     checks.check_twobit_decompress_add(codes, out)
     twobit.decompress_add_kernel(as_array(codes).view(np.uint8), np.float32(threshold), as_array(out))
+
+
+@register("twobit_chunk_compress", "numba")
+@serialized
+def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> None:
+    checks.check_twobit_chunk_compress(grad, residual_in, residual_out, codes, scales)
+    twobit_chunk.compress_kernel(as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out),
+                                 as_array(codes).view(np.uint32), as_array(scales))
+
+
+@register("twobit_chunk_decompress_add", "numba")
+@serialized
+def twobit_chunk_decompress_add(codes, scales, out) -> None:
+    checks.check_twobit_chunk_decompress_add(codes, scales, out)
+    twobit_chunk.decompress_add_kernel(as_array(codes).view(np.uint32), as_array(scales), as_array(out))
 
 
 @register("topk_compress", "numba")
