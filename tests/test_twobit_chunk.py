@@ -14,14 +14,15 @@ import torch
 
 import gradcomp
 from gradcomp.backends import torch_ops
-from test_cuda_kernels import (  # noqa: F401  (emulator is a fixture)
+from test_cuda_kernels import (
     DTYPE_IDS,
     DTYPES,
     RESIDUAL_MODES,
+    SOURCE_DIR,
     Guarded,
     assert_same,
+    cuda_emulator,
     cuda_ops,
-    emulator,
     make_case,
     make_values,
 )
@@ -30,6 +31,15 @@ SIZES = [1, 15, 16, 63, 64, 65, 129, 1000, 3109]
 KINDS = ("normal", "ties", "zeros", "special")
 # 64-thread blocks (one chunk each), at most 3 blocks: the grid-stride loop wraps from 193 elements.
 CHUNK_TINY = cuda_ops.LaunchConfig(threads=64, max_blocks=3, histogram_blocks=3)
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    try:
+        library = cuda_emulator.build(SOURCE_DIR)
+    except FileNotFoundError as error:  # no g++
+        pytest.skip(f"the CUDA emulation needs a C++20 compiler ({cuda_emulator.CXX}): {error}")
+    return cuda_emulator.EmulatedLauncher(library)
 
 
 def reference(grad, residual_in, with_residual: bool):

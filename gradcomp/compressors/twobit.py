@@ -136,7 +136,8 @@ class TwoBit(Compressor):
             bad = ~(torch.isfinite(scales) & (scales >= 0))
             if bool(bad.any()):
                 chunk = int(bad.nonzero()[0, 0])
-                raise ValueError(f"2-bit chunk scales must be finite and >= 0; chunk {chunk} has {float(scales[chunk])!r}")
+                raise ValueError(f"2-bit chunk scales must be finite and >= 0; chunk {chunk} has "
+                                 f"{float(scales[chunk])!r}")
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         if self.chunked:
