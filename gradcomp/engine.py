@@ -38,8 +38,10 @@ Extension slots (filled by :mod:`gradcomp.schedule` and :mod:`gradcomp.optim`):
   ``state_dict()``, ``load_state_dict(d)`` (raises, changing nothing, if ``d`` does not fit).
   Default: :class:`gradcomp.schedule.DenseWarmup` of ``warmup_steps``.
 * ``transform``: ``before_compress(keys, numels, g) -> g'``, ``after_compress(keys, payload,
-  compressor, numel)``, ``dense(keys, numels, g) -> g'`` (all ``g`` float32 ``[n]``),
-  ``commit(keys, accept)``, ``state_dict()``, ``load_state_dict(d)``. Default ``None``.
+  compressor, numel)``, ``dense(keys, numels, g) -> g'`` (all ``g`` float32 ``[n]``), optionally
+  ``after_average(keys, numels, average, dense)`` (maps the group's average, in place, back to
+  gradient units before the commit: ``.grad`` holds the average gradient), ``commit(keys,
+  accept)``, ``state_dict()``, ``load_state_dict(d)``. Default ``None``.
 """
 from __future__ import annotations
 
@@ -324,8 +326,15 @@ class Engine:
 
         ``average`` is what the group's gradient received, in the gradient's dtype (every
         exchange passes the gradient itself after the write), so a result finite in float32
-        that overflows in float16 commits nothing."""
+        that overflows in float16 commits nothing.
+
+        First the transform maps the average back to gradient units in place (``after_average``),
+        so that what the framework writes into ``.grad`` is the average gradient whatever the
+        stage exchanged."""
         compressed = handle.mode != "dense"
+        after = getattr(self.transform, "after_average", None)
+        if after is not None:
+            after(handle.keys, handle.numels, average, not compressed)
         feedback = compressed and handle.compressor.uses_error_feedback and self.error_feedback
         if not feedback and self.transform is None:
             return

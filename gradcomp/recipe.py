@@ -1,76 +1,71 @@
 """The one-call recipe: a compressor's schedule and optimizer stage, derived from the run.
 
-Compression that starts inside the learning-rate warm-up, or error feedback fed into an optimizer
-that applies momentum or Adam's normalisation after the exchange, trains measurably worse than
-dense (+50% held-out loss for top-k 1% into AdamW on the project's character model). The fixes
-are known (DGC's momentum correction, 1-bit Adam's frozen variance, a dense start and a sparsity
-ramp), but their constants depend on the run: on a model the project never saw, constants tuned
-on one workload ended +23-26% above dense. So :func:`plan` derives every constant from what the
-run states:
+Every choice follows from what the run states (its length, its LR scheduler, its optimizer) and
+from mechanisms that hold whatever the model, each measured on four workloads of different kinds
+(a transformer and a GRU language model, each under AdamW and SGD-momentum; the convergence study,
+``experiments/results/convergence/``):
 
+* **2-bit is the chunk-scaled code** (``TwoBit("chunk")``): a level per 64 elements from the
+  chunk's own statistics. MXNet's fixed threshold and a per-tensor RMS drain a large coordinate by
+  ``t`` a step; with the chunk's own level 2-bit went from +27-32% above dense held-out loss to
+  +0.2-0.9% on three of the four cells. A ``TwoBit`` of another threshold given to the recipe is
+  replaced by it, with a notice.
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
-  of its peak learning rate, found by stepping a copy of it); at least ``DENSE_FRACTION`` of the
-  run under Adam (whose variance is estimated then frozen) or when no scheduler is given; 2 steps
-  at least (DDP rebuilds its buckets after the first). Under SGD-momentum DGC's ramp is the
-  warm-up, from step 2, as DGC has it: measured on charlm-small (2000 steps), the same ramp ended
-  +1.8% above dense from step 2 and +11% after a dense start to the end of the LR warm-up (step
-  20), its loss jumping at the switch.
-* **sparsity ramp** (top-k). Under SGD-momentum, DGC's own: densities 1/4, 1/16, 1/64, ... down to
-  the final density, each stage ``DENSE_FRACTION`` of the run, with DGC's momentum factor masking
-  (measured on charlm-small, SGD-momentum: with masking this ramp stayed within 1-2% of dense;
-  without masking it was +46% above dense at step 960, and a ramp from 1/16 +10%). Under Adam and
-  other optimizers: densities ``1/16, 1/32, ...`` down to the final density, each stage as long
-  as the byte budget allows (``min_compression`` x fewer bytes than dense over the whole run,
-  warm-up included; the model's share of parameters sent dense is counted), over at least
-  ``RAMP_MIN_FRACTION`` and at most ``RAMP_FRACTION`` of the steps after ``D``. Per byte, moderate
-  density early buys more than a longer dense start; a run too short for the budget keeps the
-  ramp and says that the budget is missed.
-* **optimizer stage**: SGD with momentum hands its momentum (and L2 weight decay) to
-  :class:`~gradcomp.optim.DGC`; Adam/AdamW freezes its variance at ``D`` and exchanges its
-  momentum in update units, each rank keeping its own momentum (:class:`~gradcomp.optim.FrozenVarianceAdam`,
-  ``momentum="local"``: on the GRU ``proselm``, 600 steps, the top-k recipe ended +4.4% above dense
-  with it and +12.6% when the sparse average replaced the momentum); anything else gets error
-  feedback and the dense start, with a warning that names what is not covered. 2-bit under
-  SGD-momentum did not converge with either arrangement measured, so the recipe sends top-k at
-  2-bit's bytes instead and says so in a log line.
+  of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
+  the run (Adam's second moment is estimated there, then frozen; a loop that sets the rate by hand
+  hides its warm-up). Compression that starts inside the warm-up stores the large early gradients
+  and releases them late.
+* **sparsity ramp** (top-k): densities ``1/16, 1/32, ...`` down to the density asked, as long as the
+  byte budget allows (``min_compression`` x fewer bytes than dense over the whole run, warm-up and
+  the parameters sent dense included), over at least :data:`RAMP_MIN_FRACTION` and at most
+  :data:`RAMP_FRACTION` of the steps after ``D``. A run too short for the budget keeps the ramp and
+  says that the budget is missed.
+* **optimizer stage**: Adam/AdamW gets :class:`~gradcomp.optim.FrozenVarianceAdam` (variance frozen
+  at ``D``, compression in Adam's update units; a sparsifier exchanges each rank's first moment, a
+  quantizer the gradient). SGD, with or without momentum, needs none: the compressed gradient
+  (error feedback, ``.grad`` the average gradient) goes into the user's own SGD, whose momentum then
+  runs after the exchange on every rank alike. Any other optimizer gets the same error feedback
+  and a notice that no stage covers it.
 
-Every coupled setting (warm-up, freeze step, ramp) is stated here once and derived everywhere
-else; :attr:`Plan.summary` says what was chosen, and one log line says it at registration.
+What the user's loop sees does not change: after ``backward()`` every ``.grad`` holds the average
+gradient in gradient units (for top-k under Adam, the average of the ranks' first moments, an
+exponential average of the gradients), so clipping, ``GradScaler``, gradient logging and a learning
+rate set by hand behave as without gradcomp. :attr:`Plan.summary` says what was chosen, as a
+:class:`~gradcomp.setup.RecipeNotice` at registration; a run longer than ``total_steps`` says so
+once and keeps the final setting, and one that ends before half of it says so at exit.
 """
 from __future__ import annotations
 
+import atexit
 import copy
-import logging
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
 from gradcomp.compressors import Compressor, TopK, TwoBit, from_spec
-from gradcomp.schedule import DGC_DENSITIES, DenseWarmup, SparsityRamp
+from gradcomp.schedule import DenseWarmup, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
-__all__ = ["Plan", "plan", "DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION"]
+__all__ = ["Plan", "plan", "DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION", "PlannedSchedule"]
 
-logger = logging.getLogger(__name__)
-
-#: The least share of the run that starts dense (when the LR scheduler's warm-up is shorter or unknown).
+#: The least share of the run that starts dense. PowerSGD starts compressing after about 10% of the
+#: steps, 1-bit Adam after the warm-up; 5% is what the byte budget leaves for 2-bit (its code costs
+#: 7.8% of dense, so a 5% dense start keeps the 8x budget), and it was enough on all four workloads.
 DENSE_FRACTION = 0.05
-#: The share of the steps after the dense start that the sparsity ramp takes: at least the first
-#: (measured on charlm-small, AdamW, 200 steps: a ramp over 1/4 of them ended +3.7% above dense,
-#: over 1/2 +2.8%, none +6.3%), at most the second; between them the byte budget decides (over
-#: 2000 steps it asks for 0.49, so the 10x budget holds there).
+#: The share of the steps after the dense start that the sparsity ramp takes: at least the first,
+#: at most the second; between them the byte budget decides (over 2000 steps it asks for 0.49).
 RAMP_MIN_FRACTION = 0.4
 RAMP_FRACTION = 0.75
 #: The byte budget over the whole run: dense bytes / bytes sent, at least (top-k, 2-bit).
 MIN_COMPRESSION = {"topk": 10.0, "twobit": 8.0}
 #: First density of the ramp; each next stage halves it.
 RAMP_START = 1 / 16
-#: The top-k density that sends 2-bit's bytes (values and int32 indices: 2 x density x 4 bytes =
-#: 1/16 of float32); the recipe's stand-in for 2-bit where 2-bit does not converge.
-TWOBIT_BYTES_DENSITY = 1 / 32
+#: The recipe's 2-bit code.
+TWOBIT = "chunk"
 
 
 @dataclass
@@ -91,11 +86,60 @@ class Plan:
     @property
     def summary(self) -> str:
         ramp = ""
-        if isinstance(self.schedule, SparsityRamp):
-            stages = self.schedule.stages(self.compressor)
-            ramp = f", ramp {'/'.join(f'{d:.4g}' for d in stages)} x {self.schedule.stage_steps} steps"
+        inner = getattr(self.schedule, "inner", self.schedule)
+        if isinstance(inner, SparsityRamp):
+            stages = inner.stages(self.compressor)
+            ramp = f", ramp {'/'.join(f'{d:.4g}' for d in stages)} x {inner.stage_steps} steps"
         return (f"{self.compressor!r} with {self.optimizer_stage}: {self.dense_steps} dense steps of "
                 f"{self.total_steps}{ramp}; about {self.expected_compression:.1f}x fewer bytes than dense")
+
+
+class PlannedSchedule:
+    """The recipe's schedule (``inner``), which also notices a run that outgrows its plan.
+
+    Delegates ``compressor_at``, ``settings``, ``state_dict`` and ``load_state_dict`` to ``inner``
+    (checkpoints and the cross-rank check see ``inner`` alone). Past ``total_steps`` it keeps the
+    final setting and says so once; at interpreter exit a run that stopped before half of
+    ``total_steps`` says so too (its dense start and ramp were sized for the whole run).
+    """
+
+    def __init__(self, inner, total_steps: int, announce: bool = True):
+        self.inner, self.total_steps, self.announce = inner, total_steps, announce
+        self.dense_steps = getattr(inner, "dense_steps", None)
+        self.furthest = -1
+        self._said_longer = False
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref()._say_if_short())
+
+    def compressor_at(self, step: int, base: Compressor) -> Optional[Compressor]:
+        self.furthest = max(self.furthest, step)
+        if step >= self.total_steps and not self._said_longer:
+            self._said_longer = True
+            from gradcomp.setup import notice
+
+            notice(f"the run reached step {step}, past the total_steps={self.total_steps} its recipe was planned "
+                   "for (register(..., total_steps=) counts optimizer steps); it keeps the final setting",
+                   self.announce)
+        return self.inner.compressor_at(step, base)
+
+    def _say_if_short(self) -> None:
+        if 0 <= self.furthest < self.total_steps // 2 - 1:
+            from gradcomp.setup import notice
+
+            notice(f"the run ended after {self.furthest + 1} of the {self.total_steps} steps its recipe was planned "
+                   "for; its dense start and ramp were sized for the whole run", self.announce)
+
+    def settings(self):
+        return self.inner.settings()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
 
 
 def lr_peak_step(scheduler, total_steps: int) -> int:
@@ -125,20 +169,16 @@ def dense_share(named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], min_
     return sum(n for n in sizes if n < min_numel) / total if total else 0.0
 
 
-def _bytes_per_element(compressor: Compressor, density: Optional[float], dense: float) -> float:
-    """Bytes sent per element as a share of dense float32 (values + int32 indices for top-k)."""
+def bytes_per_element(compressor: Compressor, density: Optional[float], dense: float) -> float:
+    """Bytes sent per element as a share of dense float32: top-k's values and int32 indices, 2-bit's
+    codes (1/16) and, in the chunk mode, one float32 level per 64 elements (1/64)."""
     if isinstance(compressor, TopK):
         compressed = 2.0 * (density if density is not None else compressor.density)
+    elif isinstance(compressor, TwoBit):
+        compressed = 1 / 16 + (1 / 64 if compressor.chunked else 0.0)
     else:
-        compressed = 1 / 16
+        compressed = 1.0
     return dense + (1 - dense) * compressed
-
-
-def _dgc_ramp(compressor: TopK, total: int) -> Tuple[Tuple[float, ...], int]:
-    """DGC's own warm-up for its momentum correction: sparsity 75%, 93.75%, 98.4%, ... (density / 4
-    each stage) down to the final density, each stage ``DENSE_FRACTION`` of the run."""
-    densities = tuple(d for d in DGC_DENSITIES if d > compressor.density * (1 + 1e-9))
-    return densities, (max(1, math.ceil(DENSE_FRACTION * total)) if densities else 0)
 
 
 def _ramp(compressor: TopK, total: int, dense_steps: int, budget: float, dense: float) -> Tuple[Tuple[float, ...], int]:
@@ -151,125 +191,91 @@ def _ramp(compressor: TopK, total: int, dense_steps: int, budget: float, dense: 
     if not densities:
         return (), 0
     rest = total - dense_steps
-    c_final = _bytes_per_element(compressor, final, dense)
+    c_final = bytes_per_element(compressor, final, dense)
     spare = budget * total - dense_steps - rest * c_final  # bytes (in dense steps) the ramp may spend
-    extra = sum(_bytes_per_element(compressor, d, dense) - c_final for d in densities)
+    extra = sum(bytes_per_element(compressor, d, dense) - c_final for d in densities)
     stage = int(spare / extra) if spare > 0 else 0
     shortest, longest = (int(fraction * rest / len(densities)) for fraction in (RAMP_MIN_FRACTION, RAMP_FRACTION))
     stage = min(max(stage, shortest), longest)
     return (tuple(densities), stage) if stage >= 1 else ((), 0)
 
 
+def _schedule(compressor, total_steps: int, dense_steps: int, budget: float, dense: float):
+    """``(schedule, expected compression)`` for ``compressor`` after ``dense_steps`` dense steps."""
+    densities, stage = (_ramp(compressor, total_steps, dense_steps, budget, dense) if isinstance(compressor, TopK)
+                        else ((), 0))
+    schedule = SparsityRamp(dense_steps, stage, densities) if stage else DenseWarmup(dense_steps)
+    ramp_bytes = sum(stage * bytes_per_element(compressor, d, dense) for d in densities)
+    rest = total_steps - dense_steps - stage * len(densities)
+    sent = dense_steps + ramp_bytes + rest * bytes_per_element(compressor, None, dense)
+    return schedule, total_steps / sent
+
+
 def plan(compressor, optimizer=None, total_steps: Optional[int] = None, scheduler=None,
          named_parameters: Sequence[Tuple[str, torch.nn.Parameter]] = (), min_numel: int = DEFAULT_MIN_NUMEL,
-         min_compression: Optional[float] = None, step_hook: bool = True) -> Plan:
-    """Derive the schedule and the optimizer stage of ``compressor`` for this run.
+         min_compression: Optional[float] = None, step_hook: bool = True, announce: bool = True) -> Plan:
+    """Derive the schedule and the optimizer stage of ``compressor`` for this run (module docstring).
 
     Args:
-        compressor: a compressor or its spec (``"topk:0.01"``, ``"twobit:rms"``).
-        optimizer: the user's optimizer. SGD with momentum is changed in place (momentum and
-            weight decay move into the DGC stage, for top-k); Adam/AdamW gets a step pre-hook
-            (:class:`~gradcomp.optim.FrozenVarianceAdam`).
+        compressor: a compressor or its spec (``"topk:0.01"``, ``"twobit:chunk"``).
+        optimizer: the user's optimizer; Adam/AdamW gets a step pre-hook
+            (:class:`~gradcomp.optim.FrozenVarianceAdam`), any other is left as it is.
         total_steps: optimizer steps in the run (required).
         scheduler: the LR scheduler, if any: its warm-up sets the dense start.
-        named_parameters: ``(name, parameter)`` of the module DDP wraps (the stage's keys).
+        named_parameters: ``(name, parameter)`` of the averaged parameters (the stage's keys).
         min_numel: parameters under it travel dense (their share counts against the budget).
         min_compression: the byte budget, dense bytes / bytes sent over the run (default
             :data:`MIN_COMPRESSION` of the compressor's family).
-        step_hook: how an Adam stage reaches the optimizer's step (see
-            :class:`~gradcomp.optim.FrozenVarianceAdam`): a pre-hook (DDP), or the integration calls it.
+        step_hook: how an Adam stage reaches the optimizer's step (a pre-hook, or the integration calls it).
+        announce: whether this process shows the recipe's notices (one rank speaks for all).
     """
+    from gradcomp.setup import notice
+
     compressor = check_compressor(from_spec(compressor) if isinstance(compressor, str) else compressor)
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"the recipe needs total_steps=<optimizer steps in the run> (an integer >= 1), "
                          f"got {total_steps!r}")
-    named = list(named_parameters)
-    notes = []
-    if isinstance(compressor, TwoBit) and _sgd_momentum(optimizer):
-        # Measured on charlm-small (2000 steps): 2-bit under SGD-momentum ended +53% above dense with
-        # DGC's velocity and +55% with error feedback into SGD's own momentum, its gap growing all
-        # along; top-k at the same bytes ended +1.1%. The recipe picks the compressor that converges.
-        replacement = TopK(TWOBIT_BYTES_DENSITY)
-        logger.warning("gradcomp recipe: 2-bit does not converge under SGD with momentum (measured +53-55%% "
-                       "held-out loss); using %r, which sends as many bytes", replacement)
-        compressor = replacement
+    if isinstance(compressor, TwoBit) and not compressor.chunked:
+        notice(f"recipe: 2-bit runs as TwoBit({TWOBIT!r}), a level per 64 elements, in place of {compressor!r} "
+               "(measured: +27-32% held-out loss over dense with a per-tensor threshold, +0.2-0.9% with the "
+               "chunk's own level)", announce)
+        compressor = TwoBit(TWOBIT)
     family = "topk" if isinstance(compressor, TopK) else "twobit" if isinstance(compressor, TwoBit) else None
-    warmup_end = lr_peak_step(scheduler, total_steps) if scheduler is not None else 0
-    # Adam's frozen variance is estimated during the dense start, and an unknown LR schedule may
-    # hide a warm-up: then at least DENSE_FRACTION of the run; otherwise the warm-up itself. DGC's
-    # ramp is its own warm-up and starts at once (after DDP's bucket rebuild).
-    estimate = scheduler is None or isinstance(optimizer, torch.optim.Adam)
-    floor = math.ceil(DENSE_FRACTION * total_steps) if estimate else 0
-    dense_steps = min(total_steps, max(2, warmup_end, floor))
-    if _sgd_momentum(optimizer) and isinstance(compressor, TopK):
-        dense_steps = min(total_steps, 2)
     if family is None:  # casts: no residual, no recipe needed beyond DDP's rebuild
-        return Plan(compressor, total_steps, 2, DenseWarmup(2), None, "no error feedback (a cast)",
-                    notes=("casts need no recipe",))
-    dense = dense_share(named, min_numel)
-    budget = 1 / (min_compression or MIN_COMPRESSION[family])
-    if family == "topk":
-        dgc = _sgd_momentum(optimizer)
-        densities, stage = (_dgc_ramp(compressor, total_steps) if dgc
-                            else _ramp(compressor, total_steps, dense_steps, budget, dense))
-        schedule = (SparsityRamp(dense_steps, stage, densities) if stage
-                    else DenseWarmup(dense_steps))
-        ramp_bytes = sum(stage * _bytes_per_element(compressor, d, dense) for d in densities)
-        ramp_steps = stage * len(densities)
-    else:
-        schedule, ramp_bytes, ramp_steps = DenseWarmup(dense_steps), 0.0, 0
-    rest = total_steps - dense_steps - ramp_steps
-    sent = dense_steps + ramp_bytes + rest * _bytes_per_element(compressor, None, dense)
-    expected = total_steps / sent
-    if expected * 1.001 < 1 / budget:
+        return Plan(compressor, total_steps, 2, PlannedSchedule(DenseWarmup(2), total_steps, announce), None,
+                    "no error feedback (a cast)", notes=("casts need no recipe",))
+    warmup_end = lr_peak_step(scheduler, total_steps) if scheduler is not None else 0
+    dense_steps = min(total_steps, max(2, warmup_end, math.ceil(DENSE_FRACTION * total_steps)))
+    budget = min_compression or MIN_COMPRESSION[family]
+    schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget,
+                                   dense_share(named_parameters, min_numel))
+    notes = []
+    if expected * 1.001 < budget:
         notes.append(f"the dense start ({dense_steps} steps) and the ramp of this {total_steps}-step run leave "
-                     f"{expected:.1f}x fewer bytes, under the {1 / budget:.0f}x asked")
-
-    transform, stage_name = None, "error feedback"
-    if optimizer is not None:
-        transform, stage_name = _optimizer_stage(optimizer, compressor, named, dense_steps, notes, step_hook)
-    from gradcomp.optim import DGC
-
-    unsuited = (TwoBit,) if isinstance(transform, DGC) else ()
-    result = Plan(compressor, total_steps, dense_steps, schedule, transform, stage_name, expected, tuple(notes),
-                  unsuited)
-    logger.info("gradcomp recipe: %s", result.summary)
+                     f"{expected:.1f}x fewer bytes, under the {budget:.0f}x asked")
+    transform, stage_name = _optimizer_stage(optimizer, compressor, list(named_parameters), dense_steps, notes,
+                                             step_hook)
+    result = Plan(compressor, total_steps, dense_steps, PlannedSchedule(schedule, total_steps, announce), transform,
+                  stage_name, expected, tuple(notes))
+    notice(f"recipe: {result.summary}", announce)
     for note in notes:
-        warnings.warn(f"gradcomp recipe: {note}")
+        notice(f"recipe: {note}", announce)
     return result
 
 
-def _sgd_momentum(optimizer) -> bool:
-    return isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups)
-
-
 def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list, step_hook: bool = True):
-    """The transform for ``optimizer`` (changing the optimizer where the stage takes its momentum)."""
-    from gradcomp.optim import DGC, FrozenVarianceAdam
+    """``(transform, description)`` for ``optimizer``."""
+    from gradcomp.optim import FrozenVarianceAdam
 
     if isinstance(optimizer, torch.optim.Adam):
-        stage = FrozenVarianceAdam(optimizer, named, freeze_step=dense_steps, units="update", momentum="local",
-                                   step_hook=step_hook)
+        exchange = "momentum" if compressor.sparsifies else "gradient"
+        stage = FrozenVarianceAdam(optimizer, named, freeze_step=dense_steps, exchange=exchange, step_hook=step_hook)
         return stage, (f"frozen-variance {type(optimizer).__name__} (freeze at step {dense_steps}, each rank's "
-                       "momentum sent in update units)")
+                       f"{'first moment' if exchange == 'momentum' else 'gradient'} sent in update units)")
     if isinstance(optimizer, torch.optim.SGD):
-        groups = optimizer.param_groups
-        momenta = {float(g.get("momentum", 0.0)) for g in groups}
-        if momenta == {0.0}:
-            return None, "error feedback into SGD"
-        if any(g.get("nesterov") or g.get("dampening", 0) for g in groups):
-            raise ValueError("the recipe's DGC stage implements SGD momentum without nesterov or dampening; create "
-                             "the optimizer with nesterov=False, dampening=0, or register without optimizer=")
-        if len(momenta) > 1 or len({float(g.get("weight_decay", 0.0)) for g in groups}) > 1:
-            raise ValueError("the recipe moves SGD's momentum and weight decay into gradcomp, which needs one value "
-                             "of each across param groups; got several")
-        momentum, weight_decay = momenta.pop(), float(groups[0].get("weight_decay", 0.0))
-        for group in groups:
-            group["momentum"], group["weight_decay"] = 0.0, 0.0
-        logger.info("gradcomp recipe: SGD's momentum %s and weight decay %s now live in gradcomp's DGC stage; the "
-                    "optimizer runs without them", momentum, weight_decay)
-        return DGC(named, momentum=momentum, optimizer=optimizer, masking=True, weight_decay=weight_decay), \
-            f"DGC momentum correction (momentum {momentum}, factor masking)"
-    notes.append(f"{type(optimizer).__name__} has no optimizer-aware stage: plain error feedback with "
-                 f"{dense_steps} dense steps; SGD(momentum) and Adam/AdamW have recipes")
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        return None, f"error feedback into SGD{' (its momentum after the exchange)' if momentum else ''}"
+    if optimizer is not None:
+        notes.append(f"{type(optimizer).__name__} has no optimizer-aware stage: plain error feedback with "
+                     f"{dense_steps} dense steps; SGD and Adam/AdamW have recipes")
     return None, "error feedback"

@@ -17,20 +17,18 @@ Example::
 # No `from __future__ import annotations`: DDP checks the hook's annotations at
 # registration and needs them to be the real dist.GradBucket / Future[Tensor].
 import logging
-import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from gradcomp import inflight
-from gradcomp.compressors import from_spec
 from gradcomp.compressors.base import Compressor
 from gradcomp.engine import Engine, Transport
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.exchange import allgather_bytes
-from gradcomp.recipe import plan
-from gradcomp.settings import DEFAULT_MIN_NUMEL, check_gradient_dtypes
+from gradcomp.settings import DEFAULT_MIN_NUMEL
+from gradcomp.setup import prepare
 
 __all__ = ["CompressionState", "compression_hook", "register"]
 
@@ -248,7 +246,7 @@ def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torc
 
 
 def register(
-    model: torch.nn.parallel.DistributedDataParallel,
+    model: torch.nn.Module,
     compressor,
     *,
     optimizer=None,
@@ -259,13 +257,15 @@ def register(
 ) -> CompressionState:
     """Compress ``model``'s gradient exchange with ``compressor`` and return the state.
 
-    With ``optimizer=`` and ``total_steps=`` (the one-call recipe, :mod:`gradcomp.recipe`): the
-    schedule and the optimizer-aware stage are derived from the run -- the dense start from the
-    ``scheduler``'s LR warm-up (or 5% of the steps), the sparsity ramp from the byte budget, DGC
-    for SGD with momentum (which moves into gradcomp), a frozen variance for Adam/AdamW -- and
-    ``state.recipe`` says what was chosen. Without them: plain error feedback with 2 dense steps
+    ``model`` is a ``DistributedDataParallel`` model, or ``torch.compile`` of one (the hook goes on
+    the DDP model inside); a compiled module inside DDP works as is. Parameter names lose the
+    wrappers' prefixes (:func:`gradcomp.setup.unwrapped_names`).
+
+    With ``total_steps=`` (and ``optimizer=``, ``scheduler=``; the one-call recipe,
+    :mod:`gradcomp.recipe`): the schedule and the optimizer-aware stage are derived from the run,
+    and ``state.recipe`` says what was chosen. Without it: plain error feedback with 2 dense steps
     into whatever optimizer runs (a warning says so), or the expert's own ``schedule=`` and
-    ``transform=``.
+    ``transform=``. The rules are :func:`gradcomp.setup.prepare`'s, the same for every integration.
 
     ``compressor`` is a :class:`gradcomp.Compressor` or its spec (``"topk:0.01"``);
     ``state_kwargs`` go to :class:`CompressionState`. Fails here, before any training step, for a
@@ -273,52 +273,23 @@ def register(
     model's device, gradient dtypes the compressor cannot take, and an optimizer stage that does
     not know every parameter's name.
     """
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(f"register() needs a DistributedDataParallel model, got {type(model).__name__}")
-    if isinstance(compressor, str):
-        compressor = from_spec(compressor)
-    state_kwargs.setdefault("process_group", model.process_group)
-    named = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
-    recipe = None
-    if optimizer is not None or total_steps is not None:
-        clash = sorted({"schedule", "transform", "warmup_steps"} & set(state_kwargs))
-        if clash:
-            raise ValueError(f"the recipe (optimizer=, total_steps=) derives {clash} itself; pass either the recipe's "
-                             "arguments or your own schedule/transform")
-        recipe = plan(compressor, optimizer, total_steps, scheduler, named,
-                      min_numel=state_kwargs.get("min_numel", DEFAULT_MIN_NUMEL), min_compression=min_compression)
-        compressor = recipe.compressor
-        state_kwargs.update(schedule=recipe.schedule, transform=recipe.transform)
-        policy = state_kwargs.get("policy")
-        if policy is not None and recipe.unsuited and hasattr(policy, "candidates"):
-            # Measured: 2-bit through DGC's velocity ends +53% above dense; a policy must not pick it.
-            kept = tuple(c for c in policy.candidates if not isinstance(c, recipe.unsuited))
-            if kept != policy.candidates:
-                logger.info("gradcomp recipe: the policy leaves out %s, which does not converge with %s",
-                            [c.spec for c in policy.candidates if c not in kept], recipe.optimizer_stage)
-                policy.candidates = kept
-    elif (getattr(compressor, "uses_error_feedback", False) and state_kwargs.get("schedule") is None
-          and state_kwargs.get("transform") is None):
-        warnings.warn(
-            f"gradcomp: {compressor!r} with plain error feedback into your optimizer trains measurably worse than "
-            "dense; pass optimizer=<your optimizer> and total_steps=<steps in the run> to register() for the recipe "
-            "that reaches dense quality", stacklevel=2)
-    state = CompressionState(compressor, named_parameters=named, **state_kwargs)
-    state.recipe = recipe
-    _check_stage_names(state.engine.transform, [name for name, _ in named])
-    check_gradient_dtypes([(name, p.dtype) for name, p in named], state.engine.compressor)
-    if named and not state.engine.compressor.summable:
-        state.engine.check_backend(named[0][1].device)
-    model.register_comm_hook(state, compression_hook)
+    ddp = _ddp_of(model)
+    state_kwargs.setdefault("process_group", ddp.process_group)
+    rank = dist.get_rank(state_kwargs["process_group"]) if dist.is_initialized() else 0
+    setup = prepare(compressor, ddp.module.named_parameters(), optimizer=optimizer, total_steps=total_steps,
+                    scheduler=scheduler, min_compression=min_compression, announce=rank == 0, **state_kwargs)
+    state = CompressionState(setup.compressor, named_parameters=setup.named, **setup.settings)
+    state.recipe = setup.recipe
+    ddp.register_comm_hook(state, compression_hook)
     return state
 
 
-def _check_stage_names(transform, names: List[str]) -> None:
-    """An optimizer stage must know every parameter DDP averages, by the engine's names."""
-    known = transform.parameter_names() if callable(getattr(transform, "parameter_names", None)) else None
-    if known is None:
-        return
-    missing = [name for name in names if name not in known]
-    if missing:
-        raise ValueError(f"the optimizer stage {type(transform).__name__} knows no parameter named {missing[:5]}; "
-                         "build it from model.named_parameters() of this model (wrapped or not)")
+def _ddp_of(model) -> torch.nn.parallel.DistributedDataParallel:
+    """The DDP model that ``model`` is or that ``torch.compile`` wraps."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+        return inner
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"register() needs a DistributedDataParallel model (or torch.compile of one), "
+                        f"got {type(model).__name__}")
+    return model

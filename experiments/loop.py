@@ -1,0 +1,110 @@
+"""How a workload is trained: the optimizer, its learning rate and the patterns of the loop.
+
+A :class:`Loop` states what a training script does around ``backward()`` and ``optimizer.step()``,
+so that every experiment (the real DDP ranks and the in-process simulation) runs the same loop,
+with the patterns real scripts use: a learning rate set by hand in ``param_groups`` or by an LR
+scheduler, two param groups with weight decay on matrices only, gradient accumulation,
+``clip_grad_norm_``. :func:`loop_for` gives each workload its loop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["Loop", "loop_for", "build_optimizer", "lr_at", "before_step"]
+
+
+@dataclass(frozen=True)
+class Loop:
+    """One workload's training loop.
+
+    ``optimizer``: ``"adamw"`` or ``"sgdm"`` (SGD, momentum 0.9); ``lr``: the peak learning rate;
+    ``warmup``: linear warm-up steps, then a cosine decay to a tenth of the peak at ``steps``;
+    ``manual_lr``: the script sets ``param_group["lr"]`` itself each step (no scheduler object);
+    ``clip``: ``clip_grad_norm_`` max norm (0: none); ``accumulation``: micro-batches per optimizer
+    step; ``decay_groups``: weight decay on parameters of 2+ dimensions only (two param groups).
+    """
+
+    optimizer: str
+    lr: float
+    steps: int
+    warmup: int
+    manual_lr: bool = False
+    clip: float = 0.0
+    accumulation: int = 1
+    decay_groups: bool = False
+    weight_decay: float = 0.0
+    betas: Tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.9
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+#: Peak learning rates per workload and optimizer (the workloads' own, not tuned for compression).
+PEAK_LR = {"adamw": 1e-3, "sgdm": 0.1}
+PEAK_LR_OVERRIDES = {("digits", "sgdm"): 0.05, ("digits-mlp", "sgdm"): 0.05, ("shapes", "sgdm"): 0.05}
+
+
+def loop_for(workload: str, optimizer: str, steps: int, **overrides) -> Loop:
+    """The loop of ``workload`` trained with ``optimizer`` for ``steps`` optimizer steps: a warm-up
+    of ``min(20, steps // 10)`` steps; the GPT workload adds its script's patterns (``gpt.LOOP``)."""
+    lr = PEAK_LR_OVERRIDES.get((workload, optimizer), PEAK_LR[optimizer])
+    loop = Loop(optimizer, lr, steps, min(20, steps // 10))
+    if workload == "gpt":
+        from experiments.gpt import LOOP
+
+        loop = replace(loop, **LOOP)
+    return replace(loop, **overrides)
+
+
+def lr_at(loop: Loop, step: int) -> float:
+    """Linear warm-up over ``loop.warmup`` steps, then cosine decay to 10% of the peak at the last step."""
+    if step < loop.warmup:
+        return loop.lr * (step + 1) / loop.warmup
+    progress = (step - loop.warmup) / max(1, loop.steps - loop.warmup)
+    return loop.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def param_groups(loop: Loop, model: torch.nn.Module):
+    """One group, or (``decay_groups``) matrices with weight decay and the rest without."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not loop.decay_groups:
+        return [{"params": params, "weight_decay": loop.weight_decay}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": loop.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(loop: Loop, model: torch.nn.Module):
+    """``(optimizer, scheduler)``; the scheduler is ``None`` when the loop sets the rate by hand."""
+    groups = param_groups(loop, model)
+    if loop.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(groups, lr=loop.lr, betas=loop.betas)
+    elif loop.optimizer == "sgdm":
+        optimizer = torch.optim.SGD(groups, lr=loop.lr, momentum=loop.momentum)
+    else:
+        raise ValueError(f"unknown optimizer {loop.optimizer!r}")
+    if loop.manual_lr:
+        set_lr(loop, optimizer, 0)
+        return optimizer, None
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(loop, step) / loop.lr)
+    return optimizer, scheduler
+
+
+def set_lr(loop: Loop, optimizer, step: int) -> None:
+    """What a script that sets the rate by hand does before each step."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(loop, step)
+
+
+def before_step(loop: Loop, model: torch.nn.Module, optimizer, scaler=None) -> Optional[float]:
+    """What the loop does between ``backward()`` and ``optimizer.step()``: unscale and clip.
+    Returns the gradient norm the clip measured (``None`` without a clip)."""
+    if not loop.clip:
+        return None
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), loop.clip))

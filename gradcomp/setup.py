@@ -1,0 +1,163 @@
+"""One set-up for every integration: the recipe, the checks and the engine's settings.
+
+The DDP hook (:func:`gradcomp.hooks.ddp.register`), the Horovod optimizer, the Lightning callback and
+the in-process simulation of the experiments all call :func:`prepare` with the parameters they
+average and what the user passed; it applies one set of rules:
+
+* ``compressor`` may be a spec (``"topk:0.01"``);
+* ``total_steps=`` enters the one-call recipe (:mod:`gradcomp.recipe`), which reads ``optimizer=``,
+  ``scheduler=`` and ``min_compression=``; a recipe argument without ``total_steps=`` is an error,
+  and so is ``schedule``/``transform``/``warmup_steps`` beside the recipe (it derives them);
+* an error-feedback compressor without a recipe, schedule or optimizer stage warns that it trains
+  worse than dense;
+* parameter names lose the prefixes wrappers add (``module.`` of DDP, ``_orig_mod.`` of
+  ``torch.compile``), once, here, so that residuals, stages and checkpoints use the names of the
+  model itself whatever wraps it;
+* the gradient dtypes, the kernel backend and the optimizer stage's parameter names are checked
+  before any step.
+
+Decisions the user must see (the recipe's summary, a substituted compressor, a missed byte budget)
+are :class:`RecipeNotice` warnings, shown once, on one rank only (``announce=False`` elsewhere), and
+silenced like any warning: ``warnings.simplefilter("ignore", gradcomp.RecipeNotice)``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+
+from gradcomp.compressors import Compressor, from_spec
+from gradcomp.settings import DEFAULT_MIN_NUMEL, check_backend, check_compressor, check_gradient_dtypes
+
+__all__ = ["Setup", "prepare", "RecipeNotice", "unwrapped_names", "WRAPPER_PREFIXES"]
+
+#: The prefixes wrappers add to the names of the module they hold: DDP's and ``torch.compile``'s.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: The engine settings the recipe derives itself.
+RECIPE_OWNS = ("schedule", "transform", "warmup_steps")
+
+
+class RecipeNotice(UserWarning):
+    """A decision of gradcomp's recipe that a user should see: what it chose, a compressor it
+    substituted, a byte budget it could not keep, a run longer or shorter than its plan."""
+
+
+@dataclass
+class Setup:
+    """What :func:`prepare` decided: the compressor, the engine's keyword arguments, the recipe's
+    :class:`~gradcomp.recipe.Plan` (or ``None``) and the named parameters (unwrapped names)."""
+
+    compressor: Compressor
+    settings: dict
+    recipe: object = None
+    named: List[Tuple[str, torch.nn.Parameter]] = field(default_factory=list)
+
+
+def unwrapped_names(named_parameters: Iterable[Tuple[str, torch.nn.Parameter]]) -> List[Tuple[str, torch.nn.Parameter]]:
+    """``named_parameters`` without the wrapper prefixes that every name carries (repeatedly: a
+    compiled module inside DDP has ``module._orig_mod.``), so that a wrapped and an unwrapped model
+    give the same keys."""
+    named = list(named_parameters)
+    changed = True
+    while changed and named:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if all(isinstance(name, str) and name.startswith(prefix) for name, _ in named):
+                named = [(name[len(prefix):], p) for name, p in named]
+                changed = True
+    return named
+
+
+def notice(message: str, announce: bool = True) -> None:
+    """Show ``message`` as a :class:`RecipeNotice` (where ``announce``: one rank speaks for all),
+    attributed to the first caller outside gradcomp (the user's ``register(...)`` line)."""
+    if announce:
+        warnings.warn(f"gradcomp: {message}", RecipeNotice, stacklevel=_outside_gradcomp())
+
+
+def _outside_gradcomp() -> int:
+    """The ``stacklevel`` of :func:`warnings.warn` that names the first frame outside gradcomp."""
+    import gradcomp
+    import gradcomp.hooks
+
+    roots = tuple(os.path.dirname(module.__file__) for module in (gradcomp, gradcomp.hooks))
+    frame, level = sys._getframe(2), 2  # the caller of notice()
+    while frame is not None and frame.f_code.co_filename.startswith(roots):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], *, optimizer=None,
+            total_steps: Optional[int] = None, scheduler=None, min_compression: Optional[float] = None,
+            stage_hook: bool = True, announce: bool = True, **settings) -> Setup:
+    """Apply the rules of the module docstring; returns the :class:`Setup` to build the engine from.
+
+    Args:
+        compressor: a compressor or its spec.
+        named_parameters: ``(name, parameter)`` of the parameters the integration averages (those
+            without ``requires_grad`` are left out).
+        optimizer, total_steps, scheduler, min_compression: the recipe's arguments
+            (:func:`gradcomp.recipe.plan`); ``total_steps`` enters it.
+        stage_hook: how an optimizer stage reaches the optimizer's step (a step pre-hook; an
+            integration whose ``step()`` averages first passes ``False`` and calls the stage itself).
+        announce: whether this process shows the notices (one rank of the group).
+        settings: the engine's other keyword arguments (:class:`gradcomp.engine.Engine`).
+    Raises:
+        ValueError, TypeError: for settings that cannot work, before any step.
+    """
+    if isinstance(compressor, str):
+        compressor = from_spec(compressor)
+    compressor = check_compressor(compressor)
+    named = unwrapped_names((n, p) for n, p in named_parameters if p.requires_grad)
+    recipe = None
+    if total_steps is not None:
+        clash = sorted(set(RECIPE_OWNS) & {k for k, v in settings.items() if v is not None})
+        if clash:
+            raise ValueError(f"the recipe (total_steps=) derives {clash} itself; pass either the recipe's arguments "
+                             "or your own schedule/transform/warmup_steps")
+        from gradcomp.recipe import plan
+
+        recipe = plan(compressor, optimizer, total_steps, scheduler, named,
+                      min_numel=settings.get("min_numel", DEFAULT_MIN_NUMEL), min_compression=min_compression,
+                      step_hook=stage_hook, announce=announce)
+        compressor = recipe.compressor
+        settings.update(schedule=recipe.schedule, transform=recipe.transform)
+        settings.pop("warmup_steps", None)
+        _leave_out_unsuited(settings.get("policy"), recipe)
+    elif optimizer is not None or scheduler is not None or min_compression is not None:
+        raise ValueError("optimizer=, scheduler= and min_compression= are the recipe's; pass total_steps=<optimizer "
+                         "steps in the run> with them")
+    elif (compressor.uses_error_feedback and settings.get("schedule") is None
+          and settings.get("transform") is None):
+        notice(f"{compressor!r} with plain error feedback into your optimizer trains measurably worse than dense; "
+               "pass optimizer=<your optimizer> and total_steps=<steps in the run> for the recipe that reaches "
+               "dense quality", announce)
+    check_gradient_dtypes([(name, p.dtype) for name, p in named], compressor)
+    if named and not compressor.summable:
+        check_backend(settings.get("backend"), named[0][1].device)
+    _check_stage_names(settings.get("transform"), [name for name, _ in named])
+    return Setup(compressor, settings, recipe, named)
+
+
+def _leave_out_unsuited(policy, recipe) -> None:
+    """A policy must not pick a compressor the recipe's optimizer stage cannot converge with."""
+    if policy is None or not recipe.unsuited or not hasattr(policy, "candidates"):
+        return
+    kept = tuple(c for c in policy.candidates if not isinstance(c, recipe.unsuited))
+    policy.candidates = kept
+
+
+def _check_stage_names(transform, names: List[str]) -> None:
+    """An optimizer stage must know every parameter the integration averages, by these names."""
+    known = transform.parameter_names() if callable(getattr(transform, "parameter_names", None)) else None
+    if known is None:
+        return
+    missing = [name for name in names if name not in known]
+    if missing:
+        raise ValueError(f"the recipe's optimizer stage ({type(transform).__name__}) was built for other parameters "
+                         f"than the model's: it lacks {missing[:5]}; pass the optimizer that steps this model's "
+                         "parameters")
