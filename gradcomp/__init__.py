@@ -8,7 +8,8 @@ The public API is :data:`__all__`:
   gradients in one call, with the recipe for the optimizer derived from the run;
 * ``Auto``: a per-bucket choice of method from measurements of the link;
 * the schedules ``DenseWarmup``, ``SparsityRamp`` and ``recommended`` (also ``gradcomp.schedule``);
-* the optimizer stages ``DGC``, ``CompressedAdamW`` and ``FrozenVarianceAdam`` (also ``gradcomp.optim``);
+* the optimizer stage ``FrozenVarianceAdam`` (also ``gradcomp.optim``) and ``RecipeNotice``, the warning
+  category of the recipe's decisions;
 * the errors ``PayloadError`` and ``SettingsMismatchError``.
 
 Horovod users import :mod:`gradcomp.hooks.horovod` (it needs Horovod). The parts the
@@ -22,9 +23,10 @@ first use, Horovod only by :mod:`gradcomp.hooks.horovod`.
 from gradcomp import schedule  # noqa: F401  the module, as gradcomp.schedule
 from gradcomp.compressors import BF16, FP16, Compressor, Identity, TopK, TwoBit, from_spec
 from gradcomp.engine import SettingsMismatchError
-from gradcomp.optim import DGC, CompressedAdamW, FrozenVarianceAdam
+from gradcomp.optim import FrozenVarianceAdam
 from gradcomp.policy import Auto
 from gradcomp.schedule import DenseWarmup, SparsityRamp, recommended
+from gradcomp.setup import RecipeNotice
 from gradcomp.validation import PayloadError
 
 # Last: the DDP integration imports the pieces above (gradcomp.engine, gradcomp.inflight, ...).
@@ -36,6 +38,6 @@ __all__ = [
     "Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "from_spec",
     "register", "Auto",
     "DenseWarmup", "SparsityRamp", "recommended",
-    "DGC", "CompressedAdamW", "FrozenVarianceAdam",
+    "FrozenVarianceAdam", "RecipeNotice",
     "PayloadError", "SettingsMismatchError",
 ]  # fmt: skip

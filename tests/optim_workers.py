@@ -1,16 +1,13 @@
-"""Rank workers and an independent single-process simulation for the optimizer-aware paths
-(DGC momentum correction, CompressedAdamW) on real Gloo ranks.
+"""Rank workers and an independent single-process simulation of the recipe's optimizer paths on
+real Gloo ranks: SGD with momentum on the compressed gradient (no stage), and the user's AdamW
+with :class:`~gradcomp.optim.FrozenVarianceAdam` exchanging the gradient or each rank's first moment.
 
-Every parameter has a DDP bucket of its own (``bucket_cap_mb_list`` with a tiny cap: unlike
-``bucket_cap_mb`` it also applies to a fresh DDP's first iteration, which torch 2.13 otherwise
-runs as one bucket), so the simulation can follow each parameter alone, also right after a
-resume. The simulation uses plain torch arithmetic written from the
-algorithms' definitions (top-k by ``torch.topk``, the average as ``(D_0 + D_1) / 2`` in rank
-order, the dense allreduce as ``g_0 / 2 + g_1 / 2``); it shares no code with the engine, the
-hook, the transforms or the kernels. Elementwise formulas are written with the torch
-primitives whose rounding the definitions imply (``torch.add(..., alpha=m)`` for ``g + m u``,
-``lerp`` for ``b1 m + (1 - b1) g``, ``addcmul``/``addcdiv`` as in torch's AdamW), so that the
-comparison can be bitwise.
+Every parameter has a DDP bucket of its own (``bucket_cap_mb_list`` with a tiny cap), so the
+simulation can follow each parameter alone, also right after a resume. The simulation is plain
+torch arithmetic written from the algorithms' definitions (top-k by ``torch.topk`` with error
+feedback, the average as the rank-ordered sum of the decoded payloads / P, the dense allreduce as
+``g_0 / 2 + g_1 / 2``, AdamW as torch writes it, the frozen step from its definition); it shares no
+code with the engine, the hook, the stage or the kernels, so that the comparison can be bitwise.
 """
 import io
 import math
@@ -20,14 +17,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.hooks import ddp as gc_ddp
-from gradcomp.optim import DGC, CompressedAdamW
+from gradcomp.optim import FrozenVarianceAdam
 from gradcomp.schedule import SparsityRamp
 
 PER_PARAMETER_BUCKET_MB = 1e-6
 MIN_NUMEL = 64  # the biases (< 64 entries) go dense: both paths are exercised
-LR = 0.05
-MOMENTUM = 0.9
 DENSITY = 0.05
+SGD_LR, MOMENTUM = 0.05, 0.9
+ADAM_LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.999), 1e-8
+DENSE = 3  # dense steps (Adam's freeze), then 25% and 10% for 2 steps each, then 5%
+KINDS = ("sgd", "adam-gradient", "adam-momentum")
 
 
 def make_model(seed=0):
@@ -43,30 +42,23 @@ def batch(rank, step, n=16):
     return x, y
 
 
-def schedule_for(kind):
-    # DGC: 2 dense steps, then 25% and 10% for 2 steps each, then 5%.
-    # Adam: dense until the freeze at step 3, then the same ramp.
-    dense = 2 if kind == "dgc" else 3
-    return SparsityRamp(dense_steps=dense, stage_steps=2, densities=(0.25, 0.1))
-
-
 # -- the product path ------------------------------------------------------------------------------
 class Trainer:
-    """DDP model + optimizer + gradcomp hook with the optimizer-aware transform."""
+    """DDP model + optimizer + gradcomp hook, per ``kind`` of :data:`KINDS`."""
 
-    def __init__(self, kind, compressor_spec=("topk", DENSITY)):
-        self.kind = kind
+    def __init__(self, kind):
         self.model = make_model()
         self.ddp = DDP(self.model, bucket_cap_mb_list=[PER_PARAMETER_BUCKET_MB])
-        named = list(self.model.named_parameters())
-        compressor = gradcomp.TopK(compressor_spec[1]) if compressor_spec[0] == "topk" else gradcomp.TwoBit("rms")
-        if kind == "dgc":
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.0)
-            transform = DGC(named, momentum=MOMENTUM, optimizer=self.optimizer)
+        transform = None
+        if kind == "sgd":
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=SGD_LR, momentum=MOMENTUM)
         else:
-            self.optimizer = CompressedAdamW(named, lr=1e-2, weight_decay=0.1, freeze_step=3)
-            transform = self.optimizer.transform
-        self.state = gc_ddp.register(self.ddp, compressor, schedule=schedule_for(kind), transform=transform,
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=ADAM_LR, betas=BETAS, eps=EPS,
+                                               weight_decay=WD)
+            transform = FrozenVarianceAdam(self.optimizer, self.model.named_parameters(), freeze_step=DENSE,
+                                           exchange=kind.split("-")[1])
+        schedule = SparsityRamp(dense_steps=DENSE, stage_steps=2, densities=(0.25, 0.1))
+        self.state = gc_ddp.register(self.ddp, gradcomp.TopK(DENSITY), schedule=schedule, transform=transform,
                                      min_numel=MIN_NUMEL)
 
     def train(self, rank, steps, start=0):
@@ -92,8 +84,8 @@ class Trainer:
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
 
-def train_worker(rank, world_size, kind, steps, compressor_spec=("topk", DENSITY)):
-    trainer = Trainer(kind, compressor_spec)
+def train_worker(rank, world_size, kind, steps):
+    trainer = Trainer(kind)
     trainer.train(rank, steps)
     return {"params": trainer.params(), "stats": trainer.state.stats()["total"]}
 
@@ -117,76 +109,85 @@ def _local_grads(model, rank, step):
     return {name: p.grad.detach().clone().reshape(-1) for name, p in model.named_parameters()}
 
 
-def _density_at(step, kind):
-    dense = 2 if kind == "dgc" else 3
-    if step < dense:
+def _density_at(step):
+    if step < DENSE:
         return None
-    stage = (step - dense) // 2
+    stage = (step - DENSE) // 2
     return (0.25, 0.1)[stage] if stage < 2 else DENSITY
 
 
-def simulate(kind, steps, world_size=2, masking=True):
-    """Parameters after ``steps`` steps of the algorithm, simulated in one process."""
+def _exchange(sent, residuals, density, world_size):
+    """The rank-ordered average of ``sent`` (one tensor per rank): dense, or top-k with error feedback."""
+    n = sent[0].numel()
+    if density is None or n < MIN_NUMEL:
+        average = sent[0] * (1.0 / world_size)
+        for r in range(1, world_size):
+            average = average + sent[r] * (1.0 / world_size)
+        return average
+    average = torch.zeros(n)
+    keep = min(n, max(1, math.ceil(density * n)))
+    for r in range(world_size):
+        acc = sent[r] + residuals[r]
+        index = torch.topk(acc.abs(), keep).indices.sort().values
+        decoded = torch.zeros(n)
+        decoded[index] = acc[index]
+        residuals[r] = acc - decoded
+        average += decoded
+    return average / world_size
+
+
+class _Adam:
+    """AdamW's state of one parameter, stepped as torch's single-tensor AdamW and, once frozen,
+    as the frozen-variance step of its definition."""
+
+    def __init__(self, param):
+        self.m, self.v, self.t, self.denom = torch.zeros_like(param), torch.zeros_like(param), 0, None
+
+    def freeze(self):
+        sqrt_v = self.v.sqrt() / math.sqrt(1 - BETAS[1] ** DENSE)
+        self.denom = sqrt_v.clamp(min=float(sqrt_v.mean()) * 0.1).add_(EPS)
+
+    def step(self, param, grad, first_moment=False):
+        self.t += 1
+        param.mul_(1 - ADAM_LR * WD)
+        if self.denom is None:
+            self.m.lerp_(grad, 1 - BETAS[0])
+            self.v.mul_(BETAS[1]).addcmul_(grad, grad, value=1 - BETAS[1])
+            denom = (self.v.sqrt() / ((1 - BETAS[1] ** self.t) ** 0.5)).add_(EPS)
+        else:
+            self.m = grad.clone() if first_moment else torch.lerp(self.m, grad, 1 - BETAS[0])
+            denom = self.denom
+        param.addcdiv_(self.m, denom, value=-ADAM_LR / (1 - BETAS[0] ** self.t))
+
+
+def simulate(kind, steps, world_size=2):
+    """Parameters after ``steps`` steps of ``kind``, simulated in one process."""
     model = make_model()
-    names = [name for name, _ in model.named_parameters()]
     params = dict(model.named_parameters())
-    velocity = {(r, k): torch.zeros(params[k].numel()) for r in range(world_size) for k in names}
-    residual = {(r, k): torch.zeros(params[k].numel()) for r in range(world_size) for k in names}
-    m_state = {k: torch.zeros_like(params[k]) for k in names}
-    v_state = {k: torch.zeros_like(params[k]) for k in names}
-    denom_state = {}
-    beta1, beta2, eps, adam_lr, wd = 0.9, 0.999, 1e-8, 1e-2, 0.1
+    residual = {k: [torch.zeros(p.numel()) for _ in range(world_size)] for k, p in params.items()}
+    moments = {k: [None] * world_size for k in params}
+    adam = {k: _Adam(p) for k, p in params.items()}
+    buffers = {k: None for k in params}
     for step in range(steps):
         grads = [_local_grads(model, r, step) for r in range(world_size)]
-        density = _density_at(step, kind)
-        frozen = kind == "adam" and step >= 3
         with torch.no_grad():
-            for k in names:
-                n = params[k].numel()
-                if kind == "dgc":
-                    sent_quantity = []
-                    for r in range(world_size):
-                        velocity[(r, k)] = torch.add(grads[r][k], velocity[(r, k)], alpha=MOMENTUM)
-                        sent_quantity.append(velocity[(r, k)])
-                elif frozen:
-                    sent_quantity = [
-                        torch.lerp(m_state[k].reshape(-1), grads[r][k], 1 - beta1) for r in range(world_size)
-                    ]
-                else:
-                    sent_quantity = [grads[r][k] for r in range(world_size)]
-                if density is None or n < MIN_NUMEL:
-                    average = sent_quantity[0] * (1.0 / world_size)
-                    for r in range(1, world_size):
-                        average = average + sent_quantity[r] * (1.0 / world_size)
-                else:
-                    average = torch.zeros(n)
-                    k_keep = min(n, max(1, math.ceil(density * n)))
-                    for r in range(world_size):
-                        acc = sent_quantity[r] + residual[(r, k)]
-                        index = torch.topk(acc.abs(), k_keep).indices.sort().values
-                        decoded = torch.zeros(n)
-                        decoded[index] = acc[index]
-                        residual[(r, k)] = acc - decoded
-                        if kind == "dgc" and masking:
-                            velocity[(r, k)][index] = 0.0
-                        average += decoded
-                    average = average / world_size
-                param = params[k]
-                if kind == "dgc":
-                    param.add_(average.view_as(param), alpha=-LR)
-                    continue
-                t = step + 1
-                average = average.view_as(param)
+            for k, param in params.items():
+                frozen = kind != "sgd" and step >= DENSE
+                if frozen and adam[k].denom is None:
+                    adam[k].freeze()
+                sent = [grads[r][k] for r in range(world_size)]
+                if frozen and kind == "adam-momentum":
+                    start = [adam[k].m.reshape(-1) if moments[k][r] is None else moments[k][r] for r in range(world_size)]
+                    sent = moments[k] = [torch.lerp(start[r], sent[r], 1 - BETAS[0]) for r in range(world_size)]
                 if frozen:
-                    m_state[k] = average.clone()
-                    denom = denom_state[k]
+                    sent = [s / adam[k].denom.reshape(-1) for s in sent]
+                average = _exchange(sent, residual[k], _density_at(step), world_size)
+                if frozen:
+                    average = average * adam[k].denom.reshape(-1)
+                grad = average.view_as(param)
+                if kind == "sgd":
+                    buffers[k] = grad.clone() if buffers[k] is None else buffers[k].mul_(MOMENTUM).add_(grad)
+                    param.add_(buffers[k], alpha=-SGD_LR)
                 else:
-                    m_state[k] = torch.lerp(m_state[k], average, 1 - beta1)
-                    v_state[k] = torch.addcmul(v_state[k] * beta2, average, average, value=1 - beta2)
-                    sqrt_v = v_state[k].sqrt() / math.sqrt(1 - beta2**t)
-                    if t == 3:  # the freeze: floor at 0.1 x the tensor's mean sqrt(v_hat)
-                        denom_state[k] = sqrt_v.clamp(min=float(sqrt_v.mean()) * 0.1) + eps
-                    denom = sqrt_v + eps
-                param.mul_(1 - adam_lr * wd)
-                param.addcdiv_(m_state[k], denom, value=-adam_lr / (1 - beta1**t))
+                    adam[k].step(param, grad, first_moment=frozen and kind == "adam-momentum")
     return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.hooks import ddp as gc_ddp
-from gradcomp.optim import DGC, FrozenVarianceAdam
+from gradcomp.optim import FrozenVarianceAdam
 from gradcomp.schedule import DenseWarmup, SparsityRamp
 from optim_workers import batch, make_model  # noqa: F401  the model and data of the optimizer-stage tests
 
@@ -46,17 +46,14 @@ class Run:
             return
         dense_steps, stage_steps, densities = hand
         compressor = gradcomp.from_spec(spec)
-        if kind == "sgd" and spec.startswith("twobit"):  # the recipe's stand-in: top-k at 2-bit's bytes
-            compressor = gradcomp.TopK(1 / 32)
+        if spec.startswith("twobit"):  # the recipe's 2-bit code
+            compressor = gradcomp.TwoBit("chunk")
         schedule = (SparsityRamp(dense_steps, stage_steps, densities) if densities else DenseWarmup(dense_steps))
-        if kind == "sgd":
-            self.optimizer = make_optimizer(kind, self.model, momentum=0.0)
-            self.optimizer.param_groups[0]["weight_decay"] = 0.0
-            transform = DGC(named, momentum=0.9, optimizer=self.optimizer, masking=True,
-                            weight_decay=WEIGHT_DECAY["sgd"])
-        else:
-            self.optimizer = make_optimizer(kind, self.model)
-            transform = FrozenVarianceAdam(self.optimizer, named, freeze_step=dense_steps, units="update")
+        self.optimizer = make_optimizer(kind, self.model)
+        transform = None
+        if kind == "adamw":
+            exchange = "momentum" if compressor.sparsifies else "gradient"
+            transform = FrozenVarianceAdam(self.optimizer, named, freeze_step=dense_steps, exchange=exchange)
         self.scheduler = self._scheduler()
         self.state = gc_ddp.register(self.ddp, compressor, schedule=schedule, transform=transform,
                                      min_numel=MIN_NUMEL)

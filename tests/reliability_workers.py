@@ -161,20 +161,20 @@ def dying_rank_run(rank, world_size, spec, die_at):
 
 # -- ranks that disagree (tests/test_agreement.py) ---------------------------------------------------
 def _transform_of(model, state_kwargs):
-    """Replace ``state_kwargs["transform"]``, ``(kind, arguments)`` with kind ``"dgc"`` or
-    ``"adamw"``, by the optimizer stage built on ``model``; returns the optimizer to step (or ``None``)."""
-    from gradcomp.optim import DGC, CompressedAdamW
+    """Replace ``state_kwargs["transform"]``, ``("adamw", arguments)`` (``lr``, ``betas`` of the
+    optimizer; ``freeze_step``, ``exchange`` of the stage), by a user's AdamW and its
+    :class:`~gradcomp.optim.FrozenVarianceAdam` on ``model``; returns the optimizer to step (or ``None``)."""
+    from gradcomp.optim import FrozenVarianceAdam
 
     spec = state_kwargs.pop("transform", None)
     if spec is None:
         return None
-    kind, arguments = spec
-    if kind == "dgc":
-        optimizer = torch.optim.SGD(model.parameters(), lr=arguments.get("lr", 0.05), momentum=0.0)
-        state_kwargs["transform"] = DGC(model.named_parameters(), momentum=arguments["momentum"], optimizer=optimizer)
-        return optimizer
-    optimizer = CompressedAdamW(model.named_parameters(), **arguments)
-    state_kwargs["transform"] = optimizer.transform
+    _, arguments = spec
+    arguments = dict(arguments)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=arguments.pop("lr", 1e-3),
+                                  betas=arguments.pop("betas", (0.9, 0.999)))
+    state_kwargs["transform"] = FrozenVarianceAdam(optimizer, model.named_parameters(),
+                                                   freeze_step=arguments.pop("freeze_step", 10), **arguments)
     return optimizer
 
 

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradcomp
 from gradcomp.engine import SettingsMismatchError
 from gradcomp.hooks import ddp as gc_ddp
-from gradcomp.optim import DGC, CompressedAdamW
+from gradcomp.optim import FrozenVarianceAdam
 from gradcomp.policy import Auto
 from gradcomp.schedule import DenseWarmup, SparsityRamp
 
@@ -41,12 +41,10 @@ def build(config, seed):
     transform = config["transform"]
     if transform is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    elif transform[0] == "dgc":
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0)
-        kwargs["transform"] = DGC(model.named_parameters(), optimizer=optimizer, **transform[1])
     else:
-        optimizer = CompressedAdamW(model.named_parameters(), **transform[1])
-        kwargs["transform"] = optimizer.transform
+        arguments = dict(transform[1])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=arguments.pop("lr"))
+        kwargs["transform"] = FrozenVarianceAdam(optimizer, model.named_parameters(), **arguments)
     state = gc_ddp.register(ddp, gradcomp.from_spec(config["spec"]), **kwargs)
     return ddp, state, optimizer, dtype
 

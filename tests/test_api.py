@@ -6,7 +6,7 @@ import gradcomp
 
 PUBLIC = {
     "Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "from_spec", "register", "Auto",
-    "DenseWarmup", "SparsityRamp", "recommended", "DGC", "CompressedAdamW", "FrozenVarianceAdam", "PayloadError",
+    "DenseWarmup", "SparsityRamp", "recommended", "FrozenVarianceAdam", "RecipeNotice", "PayloadError",
     "SettingsMismatchError",
 }  # fmt: skip
 
@@ -19,11 +19,12 @@ def test_all_is_the_public_api_and_every_name_resolves():
 
 def test_the_public_names_are_the_objects_of_their_modules():
     from gradcomp.hooks import ddp
-    from gradcomp.optim import DGC, CompressedAdamW
+    from gradcomp.optim import FrozenVarianceAdam
+    from gradcomp.setup import RecipeNotice
 
     assert gradcomp.register is ddp.register
     assert gradcomp.schedule.recommended is gradcomp.recommended  # gradcomp.schedule after import gradcomp
-    assert gradcomp.DGC is DGC and gradcomp.CompressedAdamW is CompressedAdamW
+    assert gradcomp.FrozenVarianceAdam is FrozenVarianceAdam and gradcomp.RecipeNotice is RecipeNotice
     assert issubclass(gradcomp.TopK, gradcomp.Compressor)
 
 

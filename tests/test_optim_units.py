@@ -1,12 +1,10 @@
-"""DGC and CompressedAdamW in one process: errors, masking, transactions, state dicts."""
-import io
+"""FrozenVarianceAdam in one process: its checks, its units, its step, its transactions."""
+import math
 
 import pytest
 import torch
 
-import gradcomp
-from gradcomp.error_feedback import ErrorFeedback
-from gradcomp.optim import DGC, CompressedAdamW
+from gradcomp.optim import FrozenVarianceAdam
 
 
 def small_net(seed=0):
@@ -14,149 +12,110 @@ def small_net(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
 
 
-def test_dgc_refuses_an_optimizer_with_momentum_or_adam_moments():
-    net = small_net()
-    with pytest.raises(ValueError, match="momentum=0"):
-        DGC(net.named_parameters(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
-    with pytest.raises(ValueError, match="CompressedAdamW"):
-        DGC(net.named_parameters(), optimizer=torch.optim.AdamW(net.parameters()))
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.0)
-    dgc = DGC(net.named_parameters(), optimizer=optimizer)
-    optimizer.param_groups[0]["momentum"] = 0.5  # set later: caught at the next step
-    with pytest.raises(ValueError, match="owns the momentum"):
-        dgc.before_compress(("0.bias",), (10,), torch.zeros(10))
+def flat_grad(net):
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters()])
 
 
-def test_dgc_velocity_masking_and_transactions():
-    net = small_net()
-    dgc = DGC(net.named_parameters(), momentum=0.5)
-    keys, numels = ("0.bias",), (10,)
-    grad = torch.arange(10, dtype=torch.float32)
-    u = dgc.before_compress(keys, numels, grad)
-    assert torch.equal(u, grad)
-    payload = gradcomp.TopK(0.2).compress(u)  # sends the two largest: indices 8, 9
-    dgc.after_compress(keys, payload, gradcomp.TopK(0.2), 10)
-    dgc.commit(keys, True)
-    expected = grad.clone()
-    expected[8:] = 0
-    assert torch.equal(dgc.velocity.residual("0.bias"), expected)
-    # A rejected step leaves the velocity as it was.
-    dgc.before_compress(keys, numels, torch.full((10,), 100.0))
-    dgc.commit(keys, torch.tensor(False))
-    assert torch.equal(dgc.velocity.residual("0.bias"), expected)
-    # A dense step: u = m u + g, nothing masked.
-    out = dgc.dense(keys, numels, torch.ones(10))
-    assert torch.equal(out, torch.add(torch.ones(10), expected, alpha=0.5))
+def keys_and_numels(net):
+    return [n for n, _ in net.named_parameters()], [p.numel() for p in net.parameters()]
 
 
-def test_dgc_masking_defaults_off_for_quantizers():
-    net = small_net()
-    dgc = DGC(net.named_parameters(), momentum=0.5)
-    keys = ("0.bias",)
-    u = dgc.before_compress(keys, (10,), torch.linspace(-1, 1, 10))
-    before = u.clone()
-    compressor = gradcomp.TwoBit("rms")
-    dgc.after_compress(keys, compressor.compress(u), compressor, 10)
-    assert torch.equal(u, before)
-    forced = DGC(net.named_parameters(), momentum=0.5, masking=True)
-    u = forced.before_compress(keys, (10,), torch.linspace(-1, 1, 10))
-    forced.after_compress(keys, compressor.compress(u), compressor, 10)
-    assert (u == 0).any() and (u != 0).any()
-
-
-def test_dgc_rescales_velocity_and_residuals_when_the_lr_changes():
-    net = small_net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.0)
-    residuals = ErrorFeedback()
-    residuals.buffers(["0.bias"], [10], "cpu")[0].fill_(1.0)
-    dgc = DGC(net.named_parameters(), momentum=0.5, optimizer=optimizer, rescale_on_lr_change=True,
-              residual_memory=residuals)
-    keys, numels = ("0.bias",), (10,)
-    dgc.before_compress(keys, numels, torch.ones(10))
-    dgc.commit(keys, True)
-    optimizer.param_groups[0]["lr"] = 0.05  # halved: what is held must double to move weights as far
-    u = dgc.before_compress(keys, numels, torch.zeros(10))
-    assert torch.equal(u, torch.full((10,), 1.0))  # 0.5 * (2 * 1) + 0
-    assert torch.equal(residuals.residual("0.bias"), torch.full((10,), 2.0))
-
-
-def test_dgc_state_dict_round_trip_and_mismatch():
-    net = small_net()
-    dgc = DGC(net.named_parameters(), momentum=0.9)
-    dgc.before_compress(("0.weight",), (60,), torch.randn(60))
-    dgc.commit(("0.weight",), True)
-    buffer = io.BytesIO()
-    torch.save(dgc.state_dict(), buffer)
-    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    other = DGC(net.named_parameters(), momentum=0.9)
-    other.load_state_dict(state)
-    assert torch.equal(other.velocity.residual("0.weight"), dgc.velocity.residual("0.weight"))
-    with pytest.raises(ValueError, match="settings"):
-        DGC(net.named_parameters(), momentum=0.5).load_state_dict(state)
-    bad = {**state, "velocity": {"nope": torch.zeros(3)}}
-    with pytest.raises(ValueError, match="no parameter"):
-        other.load_state_dict(bad)
-
-
-def run_adam(optimizer, net, steps, seed=1):
-    gen = torch.Generator().manual_seed(seed)
+def train(net, optimizer, steps, seed=1):
+    generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         optimizer.zero_grad()
-        net(torch.randn(4, 6, generator=gen)).square().mean().backward()
+        net(torch.randn(4, 6, generator=generator)).square().sum().backward()
         optimizer.step()
 
 
-def test_compressed_adamw_warmup_is_torch_adamw_bitwise():
-    net, reference = small_net(), small_net()
-    ours = CompressedAdamW(net.named_parameters(), lr=1e-2, weight_decay=0.1, freeze_step=50)
-    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    run_adam(ours, net, 7)
-    run_adam(theirs, reference, 7)
-    for a, b in zip(net.parameters(), reference.parameters()):
-        assert torch.equal(a, b)
-
-
-def test_freeze_floors_zero_variance_and_the_transform_sends_momentum():
+def test_refuses_what_the_frozen_step_cannot_be():
     net = small_net()
-    optimizer = CompressedAdamW(net.named_parameters(), lr=1e-2, freeze_step=2)
-    run_adam(optimizer, net, 2)
-    bias = net[2].bias
-    state = optimizer.state[bias]
-    assert "denom" in state and torch.isfinite(state["denom"]).all()
-    # A coordinate that never saw a gradient is floored, not left at eps.
-    weight = net[0].weight
-    optimizer.state[weight]["exp_avg_sq"][0, 0] = 0.0
-    sqrt_v = optimizer.state[weight]["exp_avg_sq"].sqrt() / (1 - 0.999**2) ** 0.5
-    floored = CompressedAdamW._freeze(sqrt_v, 0.1, 1e-8)
-    assert floored[0, 0] >= 0.1 * float(sqrt_v.mean())
-    # After the freeze the transform replaces the gradient by the local momentum.
-    grad = torch.randn(3)
-    sent = optimizer.transform.before_compress(("2.bias",), (3,), grad)
-    assert torch.equal(sent, torch.lerp(state["exp_avg"].reshape(-1), grad, 0.1))
+    with pytest.raises(TypeError, match="Adam or AdamW"):
+        FrozenVarianceAdam(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(), freeze_step=10)
+    for flag in ("amsgrad", "maximize"):
+        with pytest.raises(ValueError, match=flag):
+            FrozenVarianceAdam(torch.optim.Adam(net.parameters(), **{flag: True}), net.named_parameters(), 10)
+    with pytest.raises(ValueError, match="freeze_step"):
+        FrozenVarianceAdam(torch.optim.Adam(net.parameters()), net.named_parameters(), freeze_step=0)
+    with pytest.raises(ValueError, match="exchange"):
+        FrozenVarianceAdam(torch.optim.Adam(net.parameters()), net.named_parameters(), 10, exchange="velocity")
+    params = list(net.parameters())
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        FrozenVarianceAdam(torch.optim.Adam(params[:2]), net.named_parameters(), freeze_step=10)
 
 
-def test_compressed_adamw_state_dict_round_trips_bitwise_across_the_freeze():
+@pytest.mark.parametrize("kind", ["adam-l2", "adamw"])
+def test_gradient_exchange_round_trips_units_and_steps_adam_with_the_frozen_variance(kind):
+    """What is compressed is g / d; the average comes back times d; the step is Adam's with the
+    second moment of the freeze, on .grad as the loop left it."""
     net = small_net()
-    optimizer = CompressedAdamW(net.named_parameters(), lr=1e-2, weight_decay=0.01, freeze_step=3)
-    run_adam(optimizer, net, 3)
-    buffer = io.BytesIO()
-    torch.save({"net": net.state_dict(), "opt": optimizer.state_dict()}, buffer)
-    run_adam(optimizer, net, 4, seed=2)
-    saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    net2 = small_net(seed=5)
-    net2.load_state_dict(saved["net"])
-    optimizer2 = CompressedAdamW(net2.named_parameters(), lr=1e-2, weight_decay=0.01, freeze_step=3)
-    optimizer2.load_state_dict(saved["opt"])
-    run_adam(optimizer2, net2, 4, seed=2)
-    for a, b in zip(net.parameters(), net2.parameters()):
-        assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="settings"):
-        CompressedAdamW(net2.named_parameters(), freeze_step=9).transform.load_state_dict(
-            optimizer.transform.state_dict())
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    optimizer = cls(net.parameters(), lr=1e-2, weight_decay=0.1)
+    stage = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10, exchange="gradient")
+    train(net, optimizer, 10)
+    keys, numels = keys_and_numels(net)
+    net(torch.ones(2, 6)).sum().backward()
+    grad = flat_grad(net).clone()
+    sent = stage.before_compress(keys, numels, grad)
+    denoms = torch.cat([optimizer.state[p]["frozen_denom"].reshape(-1) for p in net.parameters()])
+    torch.testing.assert_close(sent, grad / denoms)
+    back = sent.clone()
+    stage.after_average(keys, numels, back, dense=False)
+    torch.testing.assert_close(back, grad, rtol=1e-6, atol=0)
+    # The step: exp_avg from .grad (with Adam's L2 term), the frozen denominator, bias correction.
+    expected = []
+    for p in net.parameters():
+        state, g = optimizer.state[p], p.grad * 0.5  # a loop that scaled .grad (a clip) is obeyed
+        p.grad = g.clone()
+        if kind == "adam-l2":
+            g = g + 0.1 * p.detach()
+        m = torch.lerp(state["exp_avg"], g, 0.1)
+        start = p.detach() * (1 - 1e-2 * 0.1) if kind == "adamw" else p.detach()
+        expected.append(start - 1e-2 / (1 - 0.9**11) * m / state["frozen_denom"])
+    optimizer.step()
+    for p, e in zip(net.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e)
+        assert p.grad is None and int(optimizer.state[p]["step"]) == 11
 
 
-@pytest.mark.parametrize("kwargs", [{"freeze_step": 0}, {"units": "weights"}, {"betas": (1.0, 0.9)},
-                                    {"variance_floor": 2.0}])
-def test_compressed_adamw_rejects_bad_settings(kwargs):
-    with pytest.raises(ValueError):
-        CompressedAdamW(small_net().named_parameters(), **kwargs)
+def test_momentum_exchange_keeps_this_ranks_first_moment_transactionally():
+    net = small_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    stage = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10, exchange="momentum")
+    train(net, optimizer, 10)
+    keys, numels = keys_and_numels(net)
+    grad = torch.ones(sum(numels))
+    start = torch.cat([optimizer.state[p]["exp_avg"].reshape(-1) for p in net.parameters()])
+    stage.before_compress(keys, numels, grad)
+    stage.commit(keys, torch.tensor(False))  # a rejected step: the moment is where it started
+    assert torch.equal(torch.cat([stage.moments[k] for k in keys]), start)
+    sent = stage.before_compress(keys, numels, grad)
+    stage.commit(keys, torch.tensor(True))
+    moment = torch.lerp(start, grad, 0.1)
+    assert torch.equal(torch.cat([stage.moments[k] for k in keys]), moment)
+    denoms = torch.cat([optimizer.state[p]["frozen_denom"].reshape(-1) for p in net.parameters()])
+    torch.testing.assert_close(sent, moment / denoms)
+    # The step applies .grad as the first moment: exp_avg becomes it.
+    for p in net.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    optimizer.step()
+    assert all(torch.equal(optimizer.state[p]["exp_avg"], torch.full_like(p, 0.25)) for p in net.parameters())
+
+
+def test_before_the_freeze_the_stage_changes_nothing():
+    net, twin = small_net(), small_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=20)
+    train(net, optimizer, 5)
+    train(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2), 5)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters()))
+
+
+def test_state_dict_holds_settings_and_moments_only():
+    net = small_net()
+    optimizer = torch.optim.AdamW(net.parameters())
+    gradient = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10)
+    assert gradient.state_dict() == {"freeze_step": 10, "exchange": "gradient", "variance_floor": 0.1}
+    settings = gradient.settings()
+    assert math.isclose(dict(settings["optimizer"][0])["eps"], 1e-8)
+    assert dict(settings["optimizer"][0])["lr"] == 1e-3

@@ -28,7 +28,7 @@ def draw_base(rng):
             "fp16": "fp16"}[kind]
     config = {"spec": spec, "exchange": "allgather", "warmup": rng.choice([0, 1, 2]), "ramp": None,
               "min_numel": rng.choice([0, 64]), "dtype": "float32", "policy": None, "transform": None}
-    flavour = rng.choice(["plain", "plain", "two_phase", "policy", "dgc", "adamw", "half"])
+    flavour = rng.choice(["plain", "plain", "two_phase", "policy", "adamw", "adamw", "half"])
     if kind == "topk" and rng.random() < 0.3:
         config["ramp"] = rng.choice([1, 2])
     if flavour == "two_phase" and kind != "fp16":
@@ -38,10 +38,9 @@ def draw_base(rng):
         config["policy"] = {"dense_margin": rng.choice([0.05, 0.2]), "recheck_every": rng.choice([0, 2, 100]),
                             "link_margin": rng.choice([0.5, 1.0]),
                             "candidates": tuple(rng.sample(["fp16", "twobit:0.5", "topk:0.01"], 2))}
-    elif flavour == "dgc" and kind == "topk":
-        config["transform"] = ("dgc", {"momentum": rng.choice([0.9, 0.5]), "masking": rng.choice([None, False])})
     elif flavour == "adamw" and kind != "fp16":
-        config["transform"] = ("adamw", {"freeze_step": rng.choice([1, 2]), "units": rng.choice(["momentum", "update"]),
+        config["transform"] = ("adamw", {"freeze_step": rng.choice([1, 2]),
+                                         "exchange": rng.choice(["momentum", "gradient"]),
                                          "lr": rng.choice([1e-3, 2e-3])})
     elif flavour == "half":
         config["dtype"] = rng.choice(["float16", "bfloat16"])
@@ -79,9 +78,9 @@ def perturb(rng, config):
     else:
         name, arguments = changed["transform"]
         key = rng.choice(sorted(arguments))
-        arguments[key] = {"momentum": 0.3, "masking": True, "freeze_step": 3, "units": "other", "lr": 5e-3}[key]
-        if key == "units":
-            arguments["units"] = "update" if config["transform"][1]["units"] == "momentum" else "momentum"
+        arguments[key] = {"freeze_step": 3, "lr": 5e-3}.get(key)
+        if key == "exchange":
+            arguments["exchange"] = "gradient" if config["transform"][1]["exchange"] == "momentum" else "momentum"
     return changed
 
 

@@ -45,14 +45,29 @@ from typing import Dict, Hashable, Iterable, List, Tuple, Union
 
 import torch
 
-from gradcomp.optim.dgc import optimizer_settings
-from gradcomp.optim.names import unwrapped
+from gradcomp.setup import unwrapped_names
 
 __all__ = ["FrozenVarianceAdam"]
 
 #: Fewer steps than this before the freeze get a warning: the variance is then a handful of samples.
 MIN_STEADY_FREEZE = 10
 EXCHANGES = ("gradient", "momentum")
+
+
+def _plain(value):
+    """``value`` as plain, repr-stable Python (tensors become numbers or tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else tuple(value.reshape(-1).tolist())
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def optimizer_settings(optimizer) -> Tuple[Tuple[Tuple[str, object], ...], ...]:
+    """Each param group's hyperparameters (the learning rate included: ranks compare them at the same
+    step), sorted, as plain values: ranks whose optimizers differ would move their replicas apart."""
+    return tuple(tuple(sorted((k, _plain(v)) for k, v in group.items() if k not in ("params", "step")))
+                 for group in optimizer.param_groups)
 
 
 def _decoupled(optimizer, group) -> bool:
@@ -78,7 +93,7 @@ class FrozenVarianceAdam:
                  exchange: str = "gradient", variance_floor: float = 0.1, step_hook: bool = True):
         _check(optimizer, freeze_step, exchange, variance_floor)
         self.optimizer = optimizer
-        self.names: Dict[Hashable, torch.nn.Parameter] = dict(unwrapped(named_parameters))
+        self.names: Dict[Hashable, torch.nn.Parameter] = dict(unwrapped_names(named_parameters))
         managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
         unmanaged = [name for name, p in self.names.items() if id(p) not in managed and p.requires_grad]
         if unmanaged:
@@ -110,7 +125,9 @@ class FrozenVarianceAdam:
         state = self.optimizer.state[param]
         denom = state.get("frozen_denom")
         if denom is None:
-            sqrt_v = state["exp_avg_sq"].sqrt() / math.sqrt(1 - group["betas"][1] ** self._steps_done(param))
+            # The variance stopped at the freeze: its bias correction is the freeze step's, whenever
+            # the denominator is computed (also from a checkpoint that lacks it).
+            sqrt_v = state["exp_avg_sq"].sqrt() / math.sqrt(1 - group["betas"][1] ** self.freeze_step)
             floor = float(sqrt_v.mean()) * self.variance_floor
             denom = state["frozen_denom"] = sqrt_v.clamp(min=floor).add_(group["eps"])
         return denom
@@ -143,9 +160,9 @@ class FrozenVarianceAdam:
                     piece.add_(param.detach().reshape(-1).float(), alpha=group["weight_decay"])
                 moment = self.moments.get(key)
                 if moment is None:  # the first compressed step starts from Adam's own first moment
-                    moment = self.optimizer.state[param]["exp_avg"].reshape(-1).float()
+                    moment = self.optimizer.state[param]["exp_avg"].reshape(-1).float().clone()
                 piece.copy_(torch.lerp(moment, piece, 1 - group["betas"][0]))
-                pending.append((key, piece.clone()))
+                pending.append((key, piece.clone(), moment))
             piece.div_(self._denom(param, group).reshape(-1))
         self._pending[tuple(keys)] = pending
         return out
@@ -164,10 +181,9 @@ class FrozenVarianceAdam:
 
     def commit(self, keys, accept: Union[bool, torch.Tensor] = True) -> None:
         """Make this step's first moments the moments if ``accept`` (may be a 0-d device tensor)."""
-        for key, moment in self._pending.pop(tuple(keys), ()):
-            old = self.moments.get(key)
-            if isinstance(accept, torch.Tensor):
-                self.moments[key] = moment if old is None else torch.where(accept, moment, old)
+        for key, moment, old in self._pending.pop(tuple(keys), ()):
+            if isinstance(accept, torch.Tensor):  # decided on the device: no host sync here
+                self.moments[key] = torch.where(accept, moment, old)
             elif accept:
                 self.moments[key] = moment
 
@@ -220,20 +236,35 @@ class FrozenVarianceAdam:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore :meth:`state_dict`; raises ``ValueError`` (changing nothing) if it does not fit."""
+        self.prepare_load(state_dict)()
+
+    def prepare_load(self, state_dict: dict):
+        """Validate :meth:`state_dict`'s output and return the function that assigns it (the engine's
+        checkpoint validates every part before it assigns any). Raises ``ValueError``, changing nothing."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"expected FrozenVarianceAdam.state_dict(), got {type(state_dict).__name__}")
         saved = dict(state_dict)
         moments = saved.pop("moments", {})
         if saved != self._recipe():
             raise ValueError(f"the checkpoint's FrozenVarianceAdam settings {saved} differ from this run's "
                              f"{self._recipe()}")
+        if not isinstance(moments, dict):
+            raise ValueError("the checkpoint's first moments are not a dict of tensors by parameter name")
         checked = {}
         for key, moment in moments.items():
             param = self.names.get(key)
             if param is None or not isinstance(moment, torch.Tensor) or moment.numel() != param.numel():
                 raise ValueError(f"the checkpoint's first moment of {key!r} fits no parameter of this model")
-            if not bool(torch.isfinite(moment).all()):
+            moment = moment.reshape(-1).to(device=param.device, dtype=torch.float32)
+            if not bool(torch.isfinite(moment).all()):  # in float32: a float64 1e300 is not finite here
                 raise ValueError(f"the checkpoint's first moment of {key!r} is not finite")
-            checked[key] = moment.reshape(-1).to(device=param.device, dtype=torch.float32)
-        self.moments = checked
+            checked[key] = moment
+
+        def assign() -> None:
+            self.moments = checked
+            self._pending.clear()
+
+        return assign
 
     def __repr__(self) -> str:
         return f"FrozenVarianceAdam({type(self.optimizer).__name__}, {self._recipe()})"
