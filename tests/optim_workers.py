@@ -177,7 +177,8 @@ def simulate(kind, steps, world_size=2):
                     adam[k].freeze()
                 sent = [grads[r][k] for r in range(world_size)]
                 if frozen and kind == "adam-momentum":
-                    start = [adam[k].m.reshape(-1) if moments[k][r] is None else moments[k][r] for r in range(world_size)]
+                    start = [adam[k].m.reshape(-1) if moments[k][r] is None else moments[k][r]
+                             for r in range(world_size)]
                     sent = moments[k] = [torch.lerp(start[r], sent[r], 1 - BETAS[0]) for r in range(world_size)]
                 if frozen:
                     sent = [s / adam[k].denom.reshape(-1) for s in sent]

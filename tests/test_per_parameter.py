@@ -6,7 +6,6 @@ each parameter alone (its own top-k budget, its own 2-bit scale), with parameter
 """
 import pytest
 import torch
-from test_cuda_kernels import TINY, cuda_emulator, cuda_ops
 from test_engine import OneRank
 
 import gradcomp
@@ -15,6 +14,7 @@ from gradcomp.compressors.per_parameter import PerParameter
 from gradcomp.engine import Engine
 from gradcomp.payload import Payload
 from gradcomp.validation import PayloadError, validate_payload
+from test_cuda_kernels import TINY, cuda_emulator, cuda_ops
 
 # Mixed sizes: large and small parameters, sizes that are not multiples of 16, a scalar.
 NUMELS = (3000, 10, 5000, 1, 2048, 7, 1500)
