@@ -2,8 +2,9 @@
 
 An adapter (``gradcomp/hooks/ddp.py``, ``gradcomp/hooks/horovod/``) subclasses :class:`Transport`
 to launch its framework's collectives; it should stay a translation of the framework's objects
-into engine calls. :class:`Handle` is one group's exchange in flight, opaque to adapters but for
-``handle.work`` (what the transport returned) and ``handle.mode``.
+into engine calls. :class:`Handle` is one group's exchange in flight, filled by the engine and
+its exchange (:mod:`gradcomp.exchanges`), opaque to adapters but for ``handle.work`` (what the
+transport returned) and ``handle.exchange`` (which exchange carries it).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Hashable, Optional, Tuple
 import torch
 
 from gradcomp.compressors.base import Compressor
+from gradcomp.exchanges.registry import DEFAULT as DEFAULT_EXCHANGE
 from gradcomp.payload import Payload
 
 __all__ = ["Transport", "Handle"]
@@ -40,8 +42,8 @@ class Transport:
     def all_to_all(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         """All-to-all of the uint8 ``buffer`` of ``P`` equal blocks, block ``j`` to rank ``j``; waits
         and returns uint8 ``[P * block]``, rank ``i``'s block for this rank at ``i * block``. Only
-        the two-phase exchange (:mod:`gradcomp.two_phase`) needs it."""
-        raise NotImplementedError(f"{type(self).__name__} has no all_to_all; use exchange='allgather'")
+        exchanges that scatter chunks need it."""
+        raise NotImplementedError(f"{type(self).__name__} has no all_to_all; use exchange={DEFAULT_EXCHANGE!r}")
 
     def can_allreduce(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether ``allreduce_average`` can sum ``dtype`` tensors (else payloads are gathered)."""
@@ -55,15 +57,24 @@ class Transport:
 class Handle:
     """One group's exchange in flight, from :meth:`Engine.start` to :meth:`Engine.finish`."""
 
-    __slots__ = ("group", "keys", "numels", "grad", "mode", "compressor", "payload", "work", "scale")
+    __slots__ = ("group", "keys", "numels", "grad", "exchange", "compressor", "payload", "wire", "work", "scale",
+                 "started", "compress_s")
 
-    def __init__(self, group, keys, numels, grad, mode, compressor=None, payload=None):
+    def __init__(self, group, keys, numels, grad, exchange, compressor=None):
         self.group: Hashable = group
         self.keys: Tuple[Hashable, ...] = keys
         self.numels: Tuple[int, ...] = numels
         self.grad: torch.Tensor = grad  # the flat gradient; receives the average
-        self.mode: str = mode  # "dense" | "allreduce" | "allgather" | "two_phase"
-        self.compressor: Optional[Compressor] = compressor
-        self.payload: Optional[Payload] = payload
+        self.exchange = exchange  # the gradcomp.exchanges.Exchange that carries the group
+        self.compressor: Optional[Compressor] = compressor  # None or the schedule's on a dense step
+        self.payload: Optional[Payload] = None  # what the exchange compressed (a transform reads it)
+        self.wire: Optional[torch.Tensor] = None  # the tensor handed to the collective
         self.work = None  # the transport's work object (a Future on DDP, a Horovod handle)
         self.scale = 1.0  # the loss scale the gradient arrived in (see Engine(grad_scaler=))
+        self.started = 0.0  # time.perf_counter() when the engine began the group's step
+        self.compress_s: Optional[float] = None  # compression seconds, where the exchange measures them
+
+    @property
+    def mode(self) -> str:
+        """The exchange's registered name, as ``stats()`` reports it."""
+        return self.exchange.name

@@ -28,13 +28,16 @@ from gradcomp.compressors import from_spec
 from gradcomp.compressors.base import Compressor
 from gradcomp.engine import Engine, Transport
 from gradcomp.error_feedback import ErrorFeedback
-from gradcomp.exchange import allgather_bytes
+from gradcomp.exchanges import DEFAULT as DEFAULT_EXCHANGE
 from gradcomp.recipe import plan
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_gradient_dtypes
 
 __all__ = ["CompressionState", "compression_hook", "register"]
 
 logger = logging.getLogger(__name__)
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; accept both.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TorchDistributedTransport(Transport):
@@ -64,7 +67,20 @@ class TorchDistributedTransport(Transport):
         return dist.all_reduce(tensor, group=self._group, async_op=True).get_future()
 
     def allgather(self, buffer: torch.Tensor, name: str) -> torch.futures.Future:
-        return allgather_bytes(buffer, self._group)
+        """Start an allgather of the 1-D uint8 ``buffer`` (the same size on every rank); the future's
+        value is ``[gathered]``, uint8 ``[world_size * buffer.numel()]``."""
+        gathered = torch.empty(self.world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
+        # Held until Gloo's thread lets go of them, so it never needs the GIL at exit (see inflight).
+        inflight.hold(buffer, gathered)
+        work = _all_gather_flat(gathered, buffer, group=self._group, async_op=True)
+
+        # The work's own future does not carry the output tensor on every backend (Gloo gives back
+        # the input), so hand on the buffer gathered into -- after value() has re-raised any failure.
+        def gathered_or_raise(fut: torch.futures.Future):
+            fut.value()
+            return [gathered]
+
+        return work.get_future().then(inflight.watch(gathered_or_raise))
 
     def all_to_all(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         received = torch.empty_like(buffer)
@@ -95,7 +111,8 @@ class CompressionState:
             residuals names that survive a restart. :func:`register` passes it.
         backend: kernel backend override (``"torch"``, ``"numba"``, ``"cuda"``).
         schedule, transform: the engine's extension slots (:mod:`gradcomp.engine`).
-        exchange: ``"allgather"`` (default) or ``"two_phase"`` (:mod:`gradcomp.two_phase`).
+        exchange: the exchange that carries payloads that cannot be summed, by name
+            (``gradcomp.exchanges.names(selectable=True)``; default :data:`gradcomp.exchanges.DEFAULT`).
         policy: a per-bucket choice of method, e.g. :class:`gradcomp.Auto` (measures the link
             during the dense warm-up, then picks dense, fp16, 2-bit or top-k per bucket).
         granularity: ``"parameter"`` (default: each parameter of a bucket compressed on its own,
@@ -117,7 +134,7 @@ class CompressionState:
         backend: Optional[str] = None,
         schedule=None,
         transform=None,
-        exchange: str = "allgather",
+        exchange: str = DEFAULT_EXCHANGE,
         policy=None,
         granularity: str = "parameter",
         grad_scaler=None,
@@ -289,14 +306,7 @@ def register(
                       min_numel=state_kwargs.get("min_numel", DEFAULT_MIN_NUMEL), min_compression=min_compression)
         compressor = recipe.compressor
         state_kwargs.update(schedule=recipe.schedule, transform=recipe.transform)
-        policy = state_kwargs.get("policy")
-        if policy is not None and recipe.unsuited and hasattr(policy, "candidates"):
-            # Measured: 2-bit through DGC's velocity ends +53% above dense; a policy must not pick it.
-            kept = tuple(c for c in policy.candidates if not isinstance(c, recipe.unsuited))
-            if kept != policy.candidates:
-                logger.info("gradcomp recipe: the policy leaves out %s, which does not converge with %s",
-                            [c.spec for c in policy.candidates if c not in kept], recipe.optimizer_stage)
-                policy.candidates = kept
+        _leave_out_unsuited(state_kwargs.get("policy"), recipe)
     elif (getattr(compressor, "uses_error_feedback", False) and state_kwargs.get("schedule") is None
           and state_kwargs.get("transform") is None):
         warnings.warn(
@@ -311,6 +321,17 @@ def register(
         state.engine.check_backend(named[0][1].device)
     model.register_comm_hook(state, compression_hook)
     return state
+
+
+def _leave_out_unsuited(policy, recipe) -> None:
+    """Remove from ``policy``'s candidates (mutated) the compressors the recipe's stage does not converge with."""
+    if policy is not None and recipe.unsuited and hasattr(policy, "candidates"):
+        # Measured: 2-bit through DGC's velocity ends +53% above dense; a policy must not pick it.
+        kept = tuple(c for c in policy.candidates if not isinstance(c, recipe.unsuited))
+        if kept != policy.candidates:
+            logger.info("gradcomp recipe: the policy leaves out %s, which does not converge with %s",
+                        [c.spec for c in policy.candidates if c not in kept], recipe.optimizer_stage)
+            policy.candidates = kept
 
 
 def _check_stage_names(transform, names: List[str]) -> None:
