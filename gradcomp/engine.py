@@ -131,6 +131,7 @@ class Engine:
                 raise ValueError(f"exchange={held.name!r} takes no optimizer-aware transform "
                                  f"({held.no_transform_reason}); use exchange={exchanges.DEFAULT!r}")
         self.transport = transport
+        self._chosen: Dict[tuple, tuple] = {}  # exchange_for's answers
         self.residual_memory = ErrorFeedback()
         self.telemetry = Telemetry()
         self._step_compressor: Tuple[int, Optional[Compressor]] = (-1, None)
@@ -171,13 +172,24 @@ class Engine:
 
     def exchange_for(self, compressor: Optional[Compressor], numel: int, dtype: torch.dtype, device) -> Exchange:
         """The exchange that carries a group of ``numel`` elements of ``dtype`` compressed with
-        ``compressor`` (``None``: a dense step); the same on every rank."""
+        ``compressor`` (``None``: a dense step); the same on every rank.
+
+        The answer depends on nothing else, so it is kept per (compressor, size, dtype, device,
+        transport) and the exchanges are asked once, not at every step."""
         if compressor is not None and (dtype not in FLOAT_DTYPES or numel < self.min_numel):
             compressor = None
-        for exchange in self.exchanges:
-            if exchange.applies(compressor, numel, dtype, device, self.transport):
-                return exchange
-        raise RuntimeError(f"no exchange of {[e.name for e in self.exchanges]} takes a group of {numel} {dtype}")
+        key = (id(compressor), numel, dtype, str(device), id(self.transport))
+        held = self._chosen.get(key)
+        if held is not None and held[0] is compressor and held[1] is self.transport:  # not a reused id
+            return held[2]
+        exchange = next((e for e in self.exchanges if e.applies(compressor, numel, dtype, device, self.transport)),
+                        None)
+        if exchange is None:
+            raise RuntimeError(f"no exchange of {[e.name for e in self.exchanges]} takes a group of {numel} {dtype}")
+        if len(self._chosen) >= 256:  # a schedule hands out a few compressors; bounded anyway
+            self._chosen.clear()
+        self._chosen[key] = (compressor, self.transport, exchange)
+        return exchange
 
     # -- one group's exchange ----------------------------------------------------------
     def start(self, grad: torch.Tensor, keys: Sequence[Hashable], numels: Sequence[int], group: Hashable) -> Handle:
@@ -341,5 +353,6 @@ class Engine:
     def __getstate__(self):
         state = dict(self.__dict__)
         state["transport"] = None  # process groups and Horovod handles do not cross processes
+        state["_chosen"] = {}  # it holds the transport too
         return state
 

@@ -13,6 +13,9 @@ from gradcomp.exchanges import registry as exchange_registry
 
 __all__ = ["Telemetry"]
 
+#: The exchange names seen registered (a cache of the registry's, read at every record).
+_KNOWN_MODES = set()
+
 _SUMMED = ("bytes_sent", "dense_bytes", "compress_s")
 
 
@@ -33,8 +36,10 @@ class Telemetry:
                backend: Optional[str] = None) -> None:
         """Count one group's exchange in the current step; ``mode`` is how it travelled, the name of a
         registered exchange (:mod:`gradcomp.exchanges`)."""
-        if mode not in exchange_registry.names():
-            raise ValueError(f"unknown mode {mode!r}; modes are {exchange_registry.names()}")
+        if mode not in _KNOWN_MODES:
+            _KNOWN_MODES.update(exchange_registry.names())  # an exchange registered since
+            if mode not in _KNOWN_MODES:
+                raise ValueError(f"unknown mode {mode!r}; modes are {exchange_registry.names()}")
         self._current[group] = {"bytes_sent": int(bytes_sent), "dense_bytes": int(dense_bytes),
                                 "compress_s": float(compress_s), "mode": mode, "backend": backend}
         self._totals["bytes_sent"] += int(bytes_sent)

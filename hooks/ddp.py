@@ -250,7 +250,7 @@ def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torc
         >>> state = CompressionState(gradcomp.TwoBit(0.5), named_parameters=net.named_parameters())
         >>> ddp_model.register_comm_hook(state, compression_hook)
     """
-    engine = state.engine
+    engine: Engine = state.engine
     try:
         numels = [g.numel() for g in bucket.gradients()]
         handle = engine.start(bucket.buffer(), state._keys(bucket), numels, bucket.index())
