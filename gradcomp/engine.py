@@ -1,9 +1,10 @@
 """The engine: one implementation of every step, shared by the DDP hook and the Horovod optimizer.
 
-What happens to a gradient each step (the order below, error feedback, the finite check, the
-validation of received payloads) is written once, here; the settings check between ranks is
-:mod:`gradcomp.agreement`, checkpoints :mod:`gradcomp.checkpoint`, what adapters implement
-:mod:`gradcomp.transport` (the README's "Where a change goes" has the whole map).
+What happens to a gradient each step (the order below, error feedback, the finite check and the
+commit) is written once, here; how a group's payloads travel and are validated is its exchange's
+(:mod:`gradcomp.exchanges`), the settings check between ranks :mod:`gradcomp.agreement`,
+checkpoints :mod:`gradcomp.checkpoint`, what adapters implement :mod:`gradcomp.transport` (the
+README's "Where a change goes" has the whole map).
 
 Each step, for each *group* (a DDP bucket, a Horovod parameter or parameter group), given as
 one flat gradient and the names of the parameters laid out in it::
@@ -27,7 +28,8 @@ that keeps no residual (a cast), into what it compresses.
 Public API: ``Engine(compressor, transport, ...)`` (the arguments below), ``start(flat_grad, keys,
 numels, group) -> Handle`` (compress and launch; never waits), ``finish(handle, result)`` (validate,
 decode-average into ``flat_grad``, commit; never waits), ``end_step()``, ``stats()``,
-``state_dict()``/``load_state_dict()`` and ``check_agreement(groups)``. What adapters implement is
+``state_dict()``/``load_state_dict()``, ``check_agreement(groups)`` and ``exchange_for(compressor, numel,
+dtype, device)`` (which exchange carries such a group). What adapters implement is
 :class:`gradcomp.transport.Transport`; what an exchange implements, :class:`gradcomp.exchanges.Exchange`.
 
 ``start`` and ``finish`` do not block (on DDP ``finish`` runs inside the future's ``.then``; the
@@ -59,9 +61,10 @@ from gradcomp.checkpoint import STATE_FORMAT
 from gradcomp.compressors.base import FLOAT_DTYPES, Compressor
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.exchanges import Exchange, ExchangeContext
+from gradcomp.payload import Payload
 from gradcomp.settings import DEFAULT_MIN_NUMEL
 from gradcomp.telemetry import Telemetry
-from gradcomp.transport import Handle, Transport
+from gradcomp.transport import Transport
 
 __all__ = ["Engine", "Handle", "Transport", "SettingsMismatchError", "STATE_FORMAT", "AGREEMENT_FIELDS"]
 
@@ -69,6 +72,34 @@ logger = logging.getLogger(__name__)
 
 #: How a group's parameters share a compressed payload (see :class:`Engine`).
 GRANULARITIES = ("parameter", "bucket")
+
+
+class Handle:
+    """One group's exchange in flight, from :meth:`Engine.start` to :meth:`Engine.finish`: filled by the
+    engine and the group's exchange, opaque to adapters but for ``work`` (what the transport returned)
+    and ``exchange`` (which exchange carries the group)."""
+
+    __slots__ = ("group", "keys", "numels", "grad", "exchange", "compressor", "payload", "wire", "work", "scale",
+                 "started", "compress_s")
+
+    def __init__(self, group, keys, numels, grad, exchange, compressor=None):
+        self.group: Hashable = group
+        self.keys: Tuple[Hashable, ...] = keys
+        self.numels: Tuple[int, ...] = numels
+        self.grad: torch.Tensor = grad  # the flat gradient; receives the average
+        self.exchange = exchange  # the gradcomp.exchanges.Exchange that carries the group
+        self.compressor: Optional[Compressor] = compressor  # None or the schedule's on a dense step
+        self.payload: Optional[Payload] = None  # what the exchange compressed (a transform reads it)
+        self.wire: Optional[torch.Tensor] = None  # the tensor handed to the collective
+        self.work = None  # the transport's work object (a Future on DDP, a Horovod handle)
+        self.scale = 1.0  # the loss scale the gradient arrived in (see Engine(grad_scaler=))
+        self.started = 0.0  # time.perf_counter() when the engine began the group's step
+        self.compress_s: Optional[float] = None  # compression seconds, where the exchange measures them
+
+    @property
+    def mode(self) -> str:
+        """The exchange's registered name, as ``stats()`` reports it."""
+        return self.exchange.name
 
 
 class Engine:
@@ -240,8 +271,9 @@ class Engine:
         """
         if self.policy is not None:
             self.policy.finished(handle)
-        average = handle.exchange.finish(self._context(), handle, result)
-        self._commit(handle, average)  # on what the model receives: a float16 overflow rejects the step
+        context = self._context()
+        average = handle.exchange.finish(context, handle, result)
+        self._commit(context, handle, average)  # on what the model receives: a float16 overflow rejects the step
         if handle.scale != 1.0:
             average.mul_(handle.scale)
         return average
@@ -288,9 +320,9 @@ class Engine:
             return grad
         return self.transform.before_compress(handle.keys, handle.numels, grad.float())
 
-    def _commit(self, handle: Handle, average: torch.Tensor) -> None:
-        """Commit ``e'`` (the exchange's own state, and the transform's) only if ``average`` is finite;
-        the decision stays a device tensor, read at the next use of these residuals.
+    def _commit(self, context: ExchangeContext, handle: Handle, average: torch.Tensor) -> None:
+        """Commit ``e'`` (the state of an exchange that keeps some, and the transform's) only if ``average``
+        is finite; the decision stays a device tensor, read at the next use of these residuals.
 
         ``average`` is what the group's gradient received, in the gradient's dtype (every
         exchange returns the gradient itself after the write), so a result finite in float32
@@ -302,7 +334,8 @@ class Engine:
         accept = torch.isfinite(average).all()
         if feedback:
             self.residual_memory.commit(handle.keys, accept)
-            exchange.commit(self._context(), handle, accept)
+            if exchange.state_key is not None:
+                exchange.commit(context, handle, accept)
         if self.transform is not None:
             self.transform.commit(handle.keys, accept)
 

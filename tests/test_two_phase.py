@@ -185,7 +185,7 @@ def test_mode_needs_one_element_per_rank():
 
 def test_owner_residuals_load_transactionally_and_warn_when_dropped():
     from gradcomp.engine import Engine
-    from gradcomp.exchanges.chunks import owner_key
+    from gradcomp.exchanges.two_phase import owner_key
 
     engine = Engine(from_spec("topk:0.01"), FourRanks(), exchange="two_phase")
     saved = engine.state_dict()
@@ -213,8 +213,7 @@ def test_owner_residuals_load_transactionally_and_warn_when_dropped():
 
 
 def test_a_loaded_owner_residual_of_another_size_is_dropped_at_first_use_and_stale_ones_at_a_rebuild():
-    from gradcomp.exchanges.chunks import owner_key
-    from gradcomp.exchanges.two_phase import TwoPhase
+    from gradcomp.exchanges.two_phase import TwoPhase, owner_key
 
     exchange = TwoPhase()
     old, new = owner_key(("a", "b"), 4, 0), owner_key(("b", "a"), 4, 0)

@@ -17,9 +17,11 @@ An exchange never sees the engine: :class:`ExchangeContext` carries the transpor
 backend and the telemetry's ``record``, and the engine calls :meth:`Exchange.commit` itself. The
 shape follows FSDP2's collective interfaces (``torch.distributed.fsdp``: one small class per
 collective, chosen by the framework, never asked which implementation it holds). A scattering
-exchange (FSDP's compressed reduce-scatter: phase 1 of two-phase, each rank keeping its shard)
-fits the same calls: ``compress`` the chunks, ``start`` the all-to-all, ``finish`` decodes the
-owned chunk and returns the shard it was written to.
+exchange fits the same calls: FSDP's compressed reduce-scatter (``ReduceScatter.__call__(output,
+input, group, op, async_op)``; phase 1 of two-phase, each rank keeping its shard) would
+``compress`` the chunks of ``input``, ``start`` their all-to-all, and in ``finish`` validate and
+decode-average the owned chunk into ``output`` (carried on the handle by its adapter) and return
+that shard; the engine's commit rule then holds for the shard.
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ import torch
 from gradcomp.compressors.base import Compressor
 from gradcomp.payload import Payload, PayloadLayout
 
-if TYPE_CHECKING:  # annotations only: gradcomp.transport imports this package
+if TYPE_CHECKING:  # annotations only: the engine and gradcomp.transport import this package
     from gradcomp.costmodel import Cluster, Cost, Kernels
-    from gradcomp.transport import Handle, Transport
+    from gradcomp.engine import Handle
+    from gradcomp.transport import Transport
 
 __all__ = ["Exchange", "ExchangeContext", "compress_group", "average_gathered", "payload_is_gradient"]
 
@@ -84,7 +87,8 @@ class Exchange(abc.ABC):
     averages_itself: ClassVar[bool] = True
     #: Why an optimizer-aware transform cannot run with it (``None``: it can).
     no_transform_reason: ClassVar[Optional[str]] = None
-    #: The checkpoint key of :meth:`state_dict` (``None``: it keeps no state), and what that state is.
+    #: The checkpoint key of :meth:`state_dict` (``None``: it keeps no state, and :meth:`commit` is not
+    #: called), and what that state is.
     state_key: ClassVar[Optional[str]] = None
     state_what: ClassVar[str] = ""
     #: The cost model lays its ranks out in nodes (dense inside, compressed between).
@@ -129,7 +133,8 @@ class Exchange(abc.ABC):
 
     def commit(self, context: ExchangeContext, handle: "Handle", accept) -> None:
         """Commit this exchange's own state of the step if ``accept`` (a bool or a 0-d device tensor,
-        decided by the engine from :meth:`finish`'s result); called only when the group kept residuals."""
+        decided by the engine from :meth:`finish`'s result); called for an exchange that keeps state
+        (:attr:`state_key`), when the group kept residuals."""
 
     # -- the cost model ------------------------------------------------------------------
     @classmethod

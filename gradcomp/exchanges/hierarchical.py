@@ -16,8 +16,8 @@ import torch
 
 from gradcomp import costmodel
 from gradcomp.exchanges.base import Exchange
-from gradcomp.exchanges.chunks import slot_nbytes
 from gradcomp.exchanges.registry import exchange_name
+from gradcomp.exchanges.two_phase import slot_nbytes
 
 __all__ = ["Hierarchical"]
 
