@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from experiments.train import free_port
-from gradcomp import TopK, TwoBit
+from gradcomp import FP16, TopK, TwoBit, exchanges
 from gradcomp.costmodel import Cluster, Kernels, Link, gbit, predict
 
 DEFAULT_BENCH = os.path.join(os.path.dirname(__file__), "results", "cpu-2core-2026-11-22", "bench_kernels_2p24.json")
@@ -54,16 +54,18 @@ LATENCY_S = 50e-6  # per message on Ethernet (TCP/Gloo-class)
 INTRA_LATENCY_S = 5e-6
 LARGE_MODEL = 350_000_000
 
-#: (label, exchange, compressor factory) of every curve.
-CURVES = (
-    ("dense fp32", "dense", None),
-    ("fp16", "fp16", None),
-    ("2-bit allgather", "allgather", lambda: TwoBit("rms")),
-    ("2-bit two-phase", "two_phase", lambda: TwoBit("rms")),
-    ("top-k 1% allgather", "allgather", lambda: TopK(0.01)),
-    ("top-k 1% two-phase", "two_phase", lambda: TopK(0.01)),
-    ("2-bit hierarchical (8/node)", "hierarchical", lambda: TwoBit("rms")),
-)
+#: The exchanges of the study, named by the registry (gradcomp.exchanges) after what they are.
+DENSE, SUMMED = exchanges.names(sends_gradient=True)[0], exchanges.names(automatic=True, sends_gradient=False)[0]
+FLAT, NODE_AWARE = exchanges.names(selectable=True), exchanges.names(node_aware=True)
+#: (label, key, factory) of the compressors that the flat and node-aware exchanges carry.
+COMPRESSED = (("2-bit", "twobit", lambda: TwoBit("rms")), ("top-k 1%", "topk", lambda: TopK(0.01)))
+#: (label, exchange, compressor factory) of every curve: dense, fp16, each compressor by each flat
+#: exchange, then 2-bit by each node-aware exchange.
+CURVES = (("dense fp32", DENSE, None), ("fp16", SUMMED, FP16),
+          *((f"{label} {exchanges.get(name).label}", name, factory)
+            for label, _, factory in COMPRESSED for name in FLAT),
+          *((f"{COMPRESSED[0][0]} {exchanges.get(name).label} ({RANKS_PER_NODE}/node)", name, COMPRESSED[0][2])
+            for name in NODE_AWARE))
 
 
 def charlm_numel() -> int:
@@ -80,7 +82,7 @@ def buckets(numel: int, element: int = 4) -> List[int]:
 
 
 def kernels_for(exchange: str, factory, bench: Optional[str]) -> Kernels:
-    if bench is None or factory is None:
+    if bench is None or factory is None or factory().summable:
         return Kernels()
     compressor = factory()
     if isinstance(compressor, TopK):
@@ -93,7 +95,7 @@ def predict_step(label: str, exchange: str, factory, numel: int, world_size: int
     """One curve's point: the sum over the model's buckets."""
     compressor = factory() if factory else None
     inter = Link(LATENCY_S, gbit(rate_gbit))
-    if exchange == "hierarchical":
+    if exchanges.get(exchange).node_aware:
         local = min(RANKS_PER_NODE, world_size)
         cluster = Cluster(world_size, Link(INTRA_LATENCY_S, gbit(intra_gbit)), inter, ranks_per_node=local)
     else:
@@ -265,29 +267,16 @@ def _measure_rank(rank: int, world_size: int, port: int, numel: int, repeats: in
         beta = big / max(_pingpong(big, repeats) - alpha, 1e-9)
         measured: Dict[str, float] = {}
         grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-        measured["dense"] = _median_time(lambda: dist.all_reduce(grad.clone()), repeats)
+        measured[DENSE] = _median_time(lambda: dist.all_reduce(grad.clone()), repeats)
         half = grad.half()
         measured["fp16"] = _median_time(lambda: dist.all_reduce(half.clone()), repeats)
         cluster = Cluster(world_size, Link(alpha, beta))
-        for name, compressor in (("twobit", TwoBit("rms")), ("topk", TopK(0.01))):
-            gather = predict("allgather", compressor, numel, cluster)
-            payload = torch.zeros(gather.handed_bytes, dtype=torch.uint8)
-            gathered = torch.empty(world_size * gather.handed_bytes, dtype=torch.uint8)
-            measured[f"{name} allgather"] = _median_time(
-                lambda: dist.all_gather_into_tensor(gathered, payload), repeats)
-            two = predict("two_phase", compressor, numel, cluster)
-            slot1, slot2 = two.parts["slot1"], two.parts["slot2"]
-            a2a_in = torch.zeros(world_size * slot1, dtype=torch.uint8)
-            a2a_out = torch.empty_like(a2a_in)
-            second = torch.zeros(slot2, dtype=torch.uint8)
-            second_out = torch.empty(world_size * slot2, dtype=torch.uint8)
-
-            def two_phase_collectives():
-                dist.all_to_all_single(a2a_out, a2a_in)
-                dist.all_gather_into_tensor(second_out, second)
-
-            measured[f"{name} two_phase"] = _median_time(two_phase_collectives, repeats)
-            for exchange in ("allgather", "two_phase"):
+        for _, name, factory in COMPRESSED:
+            compressor = factory()
+            for exchange in FLAT:
+                cost = predict(exchange, compressor, numel, cluster)
+                measured[f"{name} {exchange}"] = _median_time(_collectives_of(cost, world_size), repeats)
+            for exchange in FLAT:
                 engine = Engine(compressor, TorchDistributedTransport(), warmup_steps=0, min_numel=0,
                                 exchange=exchange)
 
@@ -305,6 +294,28 @@ def _measure_rank(rank: int, world_size: int, port: int, numel: int, repeats: in
         dist.destroy_process_group()
 
 
+def _collectives_of(cost, world_size: int):
+    """What runs the collectives ``cost`` charges for (zero bytes of its sizes): an allgather of the
+    payload, or an all-to-all of chunk slots and an allgather of the re-compressed slot."""
+    import torch.distributed as dist
+
+    if "slot1" not in cost.parts:
+        payload = torch.zeros(cost.handed_bytes, dtype=torch.uint8)
+        gathered = torch.empty(world_size * cost.handed_bytes, dtype=torch.uint8)
+        return lambda: dist.all_gather_into_tensor(gathered, payload)
+    slot1, slot2 = cost.parts["slot1"], cost.parts["slot2"]
+    a2a_in = torch.zeros(world_size * slot1, dtype=torch.uint8)
+    a2a_out = torch.empty_like(a2a_in)
+    second = torch.zeros(slot2, dtype=torch.uint8)
+    second_out = torch.empty(world_size * slot2, dtype=torch.uint8)
+
+    def chunked():
+        dist.all_to_all_single(a2a_out, a2a_in)
+        dist.all_gather_into_tensor(second_out, second)
+
+    return chunked
+
+
 def measure_worker(world_size: int, numel: int, repeats: int, out: str) -> None:
     """Spawn ``world_size`` Gloo ranks here (inside the shaped namespace when there is one)."""
     import torch.multiprocessing as mp
@@ -318,12 +329,12 @@ def predictions_for(record: dict, bench: Optional[str]) -> Dict[str, float]:
     p, numel = record["world_size"], record["numel"]
     # P ranks sending at once share one medium (loopback; netem's shaped loopback).
     cluster = Cluster(p, Link(record["alpha_s"], record["beta_Bps"] / p))
-    predicted = {"dense": predict("dense", None, numel, cluster).comm_s,
-                 "fp16": predict("fp16", None, numel, cluster).comm_s}
-    for name, compressor in (("twobit", TwoBit("rms")), ("topk", TopK(0.01))):
-        kernels = kernels_for("allgather", lambda c=compressor: c, bench)
-        for exchange in ("allgather", "two_phase"):
-            cost = predict(exchange, compressor, numel, cluster, kernels)
+    predicted = {DENSE: predict(DENSE, None, numel, cluster).comm_s,
+                 "fp16": predict(SUMMED, FP16(), numel, cluster).comm_s}
+    for _, name, factory in COMPRESSED:
+        compressor = factory()
+        for exchange in FLAT:
+            cost = predict(exchange, compressor, numel, cluster, kernels_for(exchange, factory, bench))
             predicted[f"{name} {exchange}"] = cost.comm_s
             predicted[f"{name} {exchange} engine"] = cost.total_s
     return predicted

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Dict, Hashable, Optional, Sequence, Tuple
+from typing import Dict, Hashable, Sequence, Tuple
 
 import torch
 
-from gradcomp.compressors.base import Compressor
+from gradcomp.compressors.registry import spec_of
 
 __all__ = ["AGREEMENT_FIELDS", "SettingsMismatchError", "settings_fingerprint", "check_agreement", "slot_settings",
-           "spec_of"]
+           "exchange_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +41,6 @@ def _stable_hash(value) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def spec_of(compressor: Optional[Compressor]) -> Optional[str]:
-    """The compressor's registry spec (``"topk:0.01"``), or its repr where it has none."""
-    if compressor is None:
-        return None
-    spec = getattr(compressor, "spec", None)
-    return spec if isinstance(spec, str) else repr(compressor)
-
-
 def slot_settings(slot) -> object:
     """A slot's settings as plain values: ``slot.settings()`` where it has one, else its
     ``state_dict()``, else its class name (a slot without either states no settings)."""
@@ -67,13 +59,11 @@ def settings_fingerprint(engine, groups: Sequence[Tuple[Sequence[int], torch.dty
         engine: the :class:`gradcomp.engine.Engine` whose settings are read (not mutated).
         groups: ``(numels, dtype)`` of each group about to be exchanged.
     """
-    two_phase = getattr(engine, "two_phase", None)
     return {
         # Whether compression is per parameter or per bucket changes every payload's size.
         "compressor": (spec_of(engine.compressor), getattr(engine, "granularity", None)),
         # Ranks that exchange differently, or where only some run a policy (it adds collectives), would hang.
-        "exchange": ((engine.exchange, slot_settings(two_phase)) if callable(getattr(two_phase, "settings", None))
-                     else engine.exchange),
+        "exchange": exchange_settings(engine),
         "policy": slot_settings(engine.policy),
         "error_feedback": engine.error_feedback and engine.compressor.uses_error_feedback,
         "schedule": slot_settings(engine.schedule),
@@ -84,6 +74,13 @@ def settings_fingerprint(engine, groups: Sequence[Tuple[Sequence[int], torch.dty
         "group_numels": tuple(tuple(int(n) for n in numels) for numels, _ in groups),
         "group_dtypes": tuple(str(dtype) for _, dtype in groups),
     }
+
+
+def exchange_settings(engine) -> object:
+    """The engine's exchange name, with the settings of the exchanges in its chain that state any
+    (``Exchange.settings()`` not ``None``): ``name`` alone when none does."""
+    stated = tuple((held.name, held.settings()) for held in engine.exchanges if held.settings() is not None)
+    return (engine.exchange, stated) if stated else engine.exchange
 
 
 def _shown(value, limit: int = 600) -> str:

@@ -8,11 +8,12 @@ any. A rejected load raises ``ValueError`` and changes nothing.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Mapping, Optional
+from typing import Callable, List, Mapping, Optional, Tuple
 
 import torch
 
-from gradcomp.agreement import spec_of
+from gradcomp.compressors.registry import spec_of
+from gradcomp.exchanges import registry as exchange_registry
 
 __all__ = ["STATE_FORMAT", "REQUIRED_KEYS", "MAX_STEP", "state_dict", "prepare_load", "check_float_vector"]
 
@@ -25,8 +26,10 @@ def state_dict(engine) -> dict:
 
     ``{"format": 1, "step": int, "world_size": int, "rank": int, "compressor": spec str,
     "schedule": schedule.state_dict(), "transform": transform.state_dict() or None,
-    "residuals": {parameter name: float32 1-D tensor on CPU}}``, plus ``"owner_residuals"``
-    with the two-phase exchange. Residuals are one rank's private error: save every rank's state.
+    "residuals": {parameter name: float32 1-D tensor on CPU}}``, plus, for each exchange of the
+    engine's chain that keeps state, that state under its key (the two-phase exchange's
+    second-stage residuals under ``"owner_residuals"``). Residuals are one rank's private error:
+    save every rank's state.
     """
     transport = engine.transport
     schedule = engine.schedule
@@ -39,13 +42,12 @@ def state_dict(engine) -> dict:
         "schedule": schedule.state_dict() if callable(getattr(schedule, "state_dict", None)) else None,
         "transform": engine.transform.state_dict() if engine.transform is not None else None,
         "residuals": engine.residual_memory.state_dict()["residuals"],
-        **({"owner_residuals": engine.two_phase.state_dict()} if engine.two_phase is not None else {}),
+        **{held.state_key: held.state_dict() for held in engine.exchanges if held.state_key is not None},
     }
 
 
-#: The keys of :func:`state_dict`'s output; ``"owner_residuals"`` is written with the two-phase exchange only.
+#: The keys of :func:`state_dict`'s output; an exchange's state key is written only by an engine that holds it.
 REQUIRED_KEYS = ("format", "step", "world_size", "rank", "compressor", "schedule", "transform", "residuals")
-OPTIONAL_KEYS = ("owner_residuals",)
 #: The largest step a checkpoint may hold: far beyond any run, and safe in int64 arithmetic.
 MAX_STEP = 2**62
 MAX_WORLD_SIZE = 2**31
@@ -61,8 +63,8 @@ def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = 
     residual a 1-D float tensor finite in float32 (the dtype it is stored in) whose numel equals its
     parameter's (``parameter_numels``: name -> numel, where the adapter knows the parameters), the
     schedule's and the transform's state (their ``prepare_load`` or ``load_state_dict`` must raise
-    without changing anything when it does not fit) and the two-phase owners' residuals. A rejected
-    load raises ``ValueError`` and leaves the live state exactly as it was.
+    without changing anything when it does not fit) and the exchanges' state. A rejected load raises
+    ``ValueError`` and leaves the live state exactly as it was.
 
     Residuals whose name matches no parameter raise (``unknown_residuals="warn"``: warn and
     drop them). A checkpoint of another world size or rank, or of another compressor
@@ -71,12 +73,52 @@ def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = 
     """
     if unknown_residuals not in ("raise", "warn"):
         raise ValueError(f"unknown_residuals must be 'raise' or 'warn', got {unknown_residuals!r}")
+    step, world_size, rank = _checked_header(saved)
+    kept = _checked_residuals(saved["residuals"], parameter_numels, unknown_residuals)
+    saved_spec = saved["compressor"]
+    if not isinstance(saved_spec, str):
+        raise ValueError(f"'compressor' must be a spec string, got {type(saved_spec).__name__}")
+    assign_slots = _prepared_slots(engine, saved)
+    transport = engine.transport
+    here = (transport.world_size, transport.rank) if transport is not None else (1, 0)
+    reset_reason = None
+    if world_size != here[0] or rank != here[1]:
+        reset_reason = (f"the checkpoint was saved by rank {rank} of world size {world_size} and is loaded by rank "
+                        f"{here[1]} of world size {here[0]}")
+    elif saved_spec != spec_of(engine.compressor):
+        reset_reason = (f"the checkpoint's residuals were made by {saved_spec!r}, "
+                        f"this run uses {spec_of(engine.compressor)!r}")
+    # Checked even when then dropped: a corrupt checkpoint is rejected, not half-read.
+    exchange_states = _prepared_exchanges(engine, saved, world_size, rank)
+
+    def assign() -> None:
+        assign_slots()
+        engine.step = step
+        if reset_reason is not None:
+            if kept:
+                warnings.warn(f"gradcomp: {reset_reason}; error-feedback residuals are reset to zero")
+            engine.residual_memory.reset()
+        else:
+            engine.residual_memory.load_state_dict({"residuals": kept})
+        for held, assign_state in exchange_states:
+            if assign_state is not None and reset_reason is None:
+                assign_state()
+            else:
+                held.reset()
+
+    return assign
+
+
+def _checked_header(saved) -> Tuple[int, int, int]:
+    """``(step, world_size, rank)`` of a saved dict whose keys and format are this version's; raises
+    ``ValueError`` otherwise."""
     if not isinstance(saved, Mapping):
         raise ValueError(f"expected the dict from state_dict(), got {type(saved).__name__}")
     missing = [key for key in REQUIRED_KEYS if key not in saved]
     if missing:
         raise ValueError(f"state_dict lacks {missing}; pass the dict from state_dict()")
-    unknown = sorted(str(key) for key in saved if key not in REQUIRED_KEYS + OPTIONAL_KEYS)
+    known = REQUIRED_KEYS + exchange_registry.state_keys()
+    unknown = sorted(str(key) for key in saved if key not in known)
     if unknown:
         raise ValueError(f"state_dict has keys {unknown} that gradcomp does not write; pass the dict from "
                          "state_dict() (the model's and optimizer's states are loaded separately)")
@@ -85,13 +127,13 @@ def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = 
         raise ValueError(f"state_dict format {fmt!r} is not the one this version reads ({STATE_FORMAT})")
     step = _int_field(saved, "step", 0, MAX_STEP)
     world_size = _int_field(saved, "world_size", 1, MAX_WORLD_SIZE)
-    rank = _int_field(saved, "rank", 0, world_size - 1)
-    kept = _checked_residuals(saved["residuals"], parameter_numels, unknown_residuals)
-    saved_spec = saved["compressor"]
-    if not isinstance(saved_spec, str):
-        raise ValueError(f"'compressor' must be a spec string, got {type(saved_spec).__name__}")
-    transport = engine.transport
-    here = (transport.world_size, transport.rank) if transport is not None else (1, 0)
+    return step, world_size, _int_field(saved, "rank", 0, world_size - 1)
+
+
+def _prepared_slots(engine, saved) -> Callable[[], None]:
+    """Check the saved schedule's and transform's states against the engine's slots (changing
+    nothing) and return what assigns the transform's; the schedule's load checks before it changes
+    anything, so it is loaded here."""
     saved_schedule = saved["schedule"]
     if saved_schedule is not None and callable(getattr(engine.schedule, "load_state_dict", None)):
         engine.schedule.load_state_dict(saved_schedule)  # checks; raises without changing anything
@@ -100,49 +142,27 @@ def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = 
         raise ValueError("the checkpoint was saved " + ("without" if saved_transform is None else "with")
                          + " an optimizer-aware transform and this run " + ("has one" if saved_transform is None
                                                                              else "has none"))
-    assign_transform = None
-    if engine.transform is not None:
-        prepare = getattr(engine.transform, "prepare_load", None)
-        if callable(prepare):
-            assign_transform = prepare(saved_transform)  # checks; changes nothing
-        else:  # a transform whose load checks everything before it changes anything
-            assign_transform = lambda: engine.transform.load_state_dict(saved_transform)  # noqa: E731
-    reset_reason = None
-    if world_size != here[0] or rank != here[1]:
-        reset_reason = (f"the checkpoint was saved by rank {rank} of world size {world_size} and is loaded by rank "
-                        f"{here[1]} of world size {here[0]}")
-    elif saved_spec != spec_of(engine.compressor):
-        reset_reason = (f"the checkpoint's residuals were made by {saved_spec!r}, "
-                        f"this run uses {spec_of(engine.compressor)!r}")
+    if engine.transform is None:
+        return lambda: None
+    prepare = getattr(engine.transform, "prepare_load", None)
+    if callable(prepare):
+        return prepare(saved_transform)  # checks; changes nothing
+    # A transform whose load checks everything before it changes anything.
+    return lambda: engine.transform.load_state_dict(saved_transform)
 
-    saved_owners = saved.get("owner_residuals")
-    assign_owners = None
-    if engine.two_phase is not None and saved_owners is not None:
-        # Checked even when it is then dropped: a corrupt checkpoint is rejected, not half-read.
-        assign_owners = engine.two_phase.prepare_load(saved_owners, world_size, rank)  # changes nothing
-        if reset_reason is not None:
-            assign_owners = None
-    elif engine.two_phase is None and saved_owners:
-        warnings.warn("gradcomp: the checkpoint holds second-stage residuals of the two-phase exchange; "
-                      "this run uses exchange='allgather' and drops them")
 
-    def assign() -> None:
-        if assign_transform is not None:
-            assign_transform()
-        engine.step = step
-        if reset_reason is not None:
-            if kept:
-                warnings.warn(f"gradcomp: {reset_reason}; error-feedback residuals are reset to zero")
-            engine.residual_memory.reset()
-        else:
-            engine.residual_memory.load_state_dict({"residuals": kept})
-        if engine.two_phase is not None:
-            if assign_owners is not None:
-                assign_owners()
-            else:
-                engine.two_phase.reset()
-
-    return assign
+def _prepared_exchanges(engine, saved, world_size: int, rank: int) -> List[tuple]:
+    """``(exchange, assign or None)`` for each exchange of the engine's chain that keeps state: its
+    saved state checked (``None``: nothing saved for it); the state of an exchange this engine does not
+    hold is dropped with a warning."""
+    held = {exchange.state_key: exchange for exchange in engine.exchanges if exchange.state_key is not None}
+    for key in exchange_registry.state_keys():
+        if key not in held and saved.get(key):
+            cls = exchange_registry.by_state_key(key)
+            warnings.warn(f"gradcomp: the checkpoint holds {cls.state_what} of the {cls.label} exchange; "
+                          f"this run uses exchange={engine.exchange!r} and drops them")
+    return [(exchange, exchange.prepare_load(saved[key], world_size, rank) if saved.get(key) is not None else None)
+            for key, exchange in held.items()]
 
 
 def _checked_residuals(residuals, parameter_numels: Optional[Mapping[str, int]], unknown_residuals: str) -> dict:

@@ -11,17 +11,9 @@ ring allgather     ``(P-1) (a + b / B)`` (``b`` per rank)    ``(P-1) b``
 pairwise all2all   ``(P-1) (a + s / B)`` (``s`` per pair)    ``(P-1) s``
 =================  =======================================  ======================================
 
-Exchanges (``n`` gradient elements; payload sizes from the compressors' real ``layout()``, so
-bytes are exact):
-
-* ``dense``: ring allreduce of ``4n`` bytes (fp32).
-* ``fp16``: ring allreduce of ``2n`` bytes.
-* ``allgather``: every rank's payload of the whole group to every rank; decodes ``P x n``.
-* ``two_phase``: all-to-all of ``P`` chunk slots, then an allgather of one re-compressed slot
-  (:mod:`gradcomp.two_phase`); about ``2 x`` the payload whatever ``P`` is; decodes ``2n``.
-* ``hierarchical``: dense ring reduce-scatter inside a node (``L`` ranks, intra-node link), a
-  two-phase compressed exchange of the rank's ``n / L`` shard between the ``N = P / L`` nodes,
-  dense ring allgather inside the node.
+Exchanges: each registered exchange models itself (its ``cost`` classmethod in
+:mod:`gradcomp.exchanges`, payload sizes from the compressors' real ``layout()``, so bytes are
+exact) with the collectives below; :func:`predict` takes an exchange's registered name.
 
 Several nodes: a flat ring crosses each node boundary once per step, so it runs at the
 inter-node link; an all-to-all's remote traffic of all ``L`` ranks of a node shares the node's
@@ -45,11 +37,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from gradcomp.compressors.base import Compressor
-from gradcomp.two_phase import chunk_layouts, phase2_slot_nbytes
+from gradcomp.exchanges import registry
 
-__all__ = ["Link", "Cluster", "Kernels", "Cost", "EXCHANGE_NAMES", "predict", "predict_all", "gbit"]
-
-EXCHANGE_NAMES = ("dense", "fp16", "allgather", "two_phase", "hierarchical")
+__all__ = ["Link", "Cluster", "Kernels", "Cost", "predict", "predict_all", "gbit", "ring_allreduce",
+           "ring_allgather", "all_to_all"]
 
 
 def gbit(rate: float) -> float:
@@ -156,17 +147,20 @@ class Cost:
         return {**asdict(self), "total_s": self.total_s}
 
 
-def _ring_allreduce(cluster: Cluster, nbytes: float) -> float:
+def ring_allreduce(cluster: Cluster, nbytes: float) -> float:
+    """Seconds of a ring allreduce of ``nbytes`` per rank."""
     p = cluster.world_size
     return 0.0 if p == 1 else cluster.bottleneck.time(2 * (p - 1), 2 * (p - 1) * nbytes / p)
 
 
-def _ring_allgather(cluster: Cluster, nbytes: float) -> float:
+def ring_allgather(cluster: Cluster, nbytes: float) -> float:
+    """Seconds of a ring allgather of ``nbytes`` from each rank."""
     p = cluster.world_size
     return 0.0 if p == 1 else cluster.bottleneck.time(p - 1, (p - 1) * nbytes)
 
 
-def _all_to_all(cluster: Cluster, slot: float) -> float:
+def all_to_all(cluster: Cluster, slot: float) -> float:
+    """Seconds of a pairwise all-to-all of ``slot`` bytes per pair of ranks."""
     p, local = cluster.world_size, cluster.local_size
     if p == 1:
         return 0.0
@@ -177,69 +171,24 @@ def _all_to_all(cluster: Cluster, slot: float) -> float:
     return max(remote, cluster.intra.time(local - 1, (local - 1) * slot))
 
 
-def _two_phase_bytes(compressor: Compressor, numel: int, p: int, dtype: torch.dtype):
-    _, slot1 = chunk_layouts(compressor, numel, p, dtype)
-    return slot1, phase2_slot_nbytes(compressor, numel, p)
-
-
 def predict(exchange: str, compressor: Optional[Compressor], numel: int, cluster: Cluster,
             kernels: Kernels = Kernels(), dtype: torch.dtype = torch.float32) -> Cost:
-    """The cost of ``exchange`` for one group of ``numel`` elements of ``dtype`` on ``cluster``.
-
-    ``compressor`` is needed for ``allgather``, ``two_phase`` and ``hierarchical``.
-    """
-    p, element = cluster.world_size, torch.empty((), dtype=dtype).element_size()
-    if exchange == "dense":
-        nbytes = numel * element
-        wire = 2 * (p - 1) * nbytes / p
-        return Cost(exchange, p, numel, nbytes, wire, wire, _ring_allreduce(cluster, nbytes), 0.0)
-    if exchange == "fp16":
-        nbytes = numel * 2
-        wire = 2 * (p - 1) * nbytes / p
-        return Cost(exchange, p, numel, nbytes, wire, wire, _ring_allreduce(cluster, nbytes), 0.0)
-    if compressor is None:
-        raise ValueError(f"exchange {exchange!r} needs a compressor")
-    if exchange == "allgather":
-        payload = compressor.layout(numel, dtype).nbytes
-        compute = kernels.compress_s * numel + kernels.decode_s * p * numel
-        return Cost(exchange, p, numel, payload, (p - 1) * payload, (p - 1) * payload,
-                    _ring_allgather(cluster, payload), compute, {"payload": payload})
-    if exchange == "two_phase":
-        if numel < p:
-            raise ValueError(f"two_phase needs numel >= world_size ({numel} < {p})")
-        slot1, slot2 = _two_phase_bytes(compressor, numel, p, dtype)
-        phase1, phase2 = _all_to_all(cluster, slot1), _ring_allgather(cluster, slot2)
-        chunk = math.ceil(numel / p)
-        compute = kernels.compress_s * (numel + chunk) + kernels.decode_s * (p * chunk + numel)
-        wire = (p - 1) * (slot1 + slot2)
-        return Cost(exchange, p, numel, p * slot1 + slot2, wire, wire, phase1 + phase2, compute,
-                    {"slot1": slot1, "slot2": slot2, "phase1_s": phase1, "phase2_s": phase2})
-    if exchange == "hierarchical":
-        local, nodes = cluster.local_size, cluster.nodes
-        nbytes = numel * element
-        inside = Cluster(local, cluster.intra)
-        # Dense reduce-scatter and allgather inside the node: each half of a ring allreduce.
-        intra = _ring_allreduce(inside, nbytes)
-        shard = math.ceil(numel / local)
-        if nodes == 1:
-            return Cost(exchange, p, numel, nbytes, 2 * (local - 1) * nbytes / local,
-                        2 * (local - 1) * nbytes / local, intra, 0.0, {"intra_s": intra, "inter_s": 0.0})
-        slot1, slot2 = _two_phase_bytes(compressor, shard, nodes, torch.float32)
-        shared = Link(cluster.inter.latency_s, cluster.inter.bandwidth / local)  # L shard exchanges share the link
-        across = Cluster(nodes, shared)
-        inter = _all_to_all(across, slot1) + _ring_allgather(across, slot2)
-        chunk = math.ceil(shard / nodes)
-        compute = kernels.compress_s * (shard + chunk) + kernels.decode_s * (nodes * chunk + shard)
-        wire_intra = 2 * (local - 1) * nbytes / local
-        wire_inter = (nodes - 1) * (slot1 + slot2)
-        return Cost(exchange, p, numel, nbytes + nodes * slot1 + slot2 + shard * element, wire_intra + wire_inter,
-                    wire_intra + wire_inter, intra + inter, compute,
-                    {"intra_s": intra, "inter_s": inter, "slot1": slot1, "slot2": slot2, "inter_bytes": wire_inter})
-    raise ValueError(f"unknown exchange {exchange!r}; choose one of {EXCHANGE_NAMES}")
+    """The cost of the registered ``exchange`` for one group of ``numel`` elements of ``dtype`` on
+    ``cluster``. Every exchange but the dense one needs ``compressor``; a combination the exchange
+    cannot model (a group with fewer elements than ranks for two-phase) raises ``ValueError``."""
+    return registry.get(exchange).cost(compressor, numel, cluster, kernels, dtype)
 
 
 def predict_all(compressor: Compressor, numel: int, cluster: Cluster, kernels: Kernels = Kernels(),
-                exchanges: Sequence[str] = EXCHANGE_NAMES) -> List[Cost]:
-    """:func:`predict` for each of ``exchanges`` (``two_phase`` skipped where ``numel < P``)."""
-    return [predict(name, compressor, numel, cluster, kernels) for name in exchanges
-            if not (name == "two_phase" and numel < cluster.world_size)]
+                exchanges: Optional[Sequence[str]] = None) -> List[Cost]:
+    """:func:`predict` for each of ``exchanges`` (default: every modelled exchange), leaving out those
+    that cannot model ``compressor`` on ``numel`` elements and ``cluster`` (two-phase where ``numel < P``,
+    an allreduce of payloads that cannot be summed)."""
+    costs = []
+    for name in exchanges if exchanges is not None else registry.names(modelled=True):
+        try:
+            costs.append(predict(name, compressor, numel, cluster, kernels))
+        except ValueError:
+            if exchanges is not None:
+                raise
+    return costs

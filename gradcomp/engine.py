@@ -1,35 +1,41 @@
 """The engine: one implementation of every step, shared by the DDP hook and the Horovod optimizer.
 
-What happens to a gradient each step (the order below, error feedback, the finite check, the
-validation of received payloads) is written once, here; the settings check between ranks is
-:mod:`gradcomp.agreement`, checkpoints :mod:`gradcomp.checkpoint`, what adapters implement
-:mod:`gradcomp.transport` (the README's "Where a change goes" has the whole map).
+What happens to a gradient each step (the order below, error feedback, the finite check and the
+commit) is written once, here; how a group's payloads travel and are validated is its exchange's
+(:mod:`gradcomp.exchanges`), the settings check between ranks :mod:`gradcomp.agreement`,
+checkpoints :mod:`gradcomp.checkpoint`, what adapters implement :mod:`gradcomp.transport` (the
+README's "Where a change goes" has the whole map).
 
 Each step, for each *group* (a DDP bucket, a Horovod parameter or parameter group), given as
 one flat gradient and the names of the parameters laid out in it::
 
     schedule        compressor = schedule.compressor_at(step, base)   (None: a dense step)
+    policy          compressor = policy.choose(...)                    (optional, e.g. Auto)
+    exchange        the first of the engine's chain of exchanges that applies (gradcomp.exchanges)
     transform       g = transform.before_compress(keys, numels, g)     (optional, e.g. DGC)
-    compensate      acc = g + e                  e: fp32 residuals keyed by parameter name
-    compress        payload, e' = C(acc)         one fused kernel; e' goes to a spare buffer
-    exchange        allgather of fixed-size payloads (allreduce for summable payloads)
+    compensate      e: fp32 residuals keyed by parameter name, handed to the exchange's compress
+    compress        payload, e' = C(g + e)       one fused kernel; e' goes to a spare buffer
+    launch          the exchange's collective (allgather of fixed-size payloads, allreduce of summable ones, ...)
     validate        every received payload, before anything is written (gradcomp.validation)
     decode-average  sum of D(payload_r) for r = 0 .. P-1 in fp32, / P  (bitwise equal on every rank)
     commit          e <- e' only if the average is finite (on every rank, since all decode the same bytes)
 
 A dense step (warm-up, a group under ``min_numel``, a compressor whose payload is the
 gradient itself) adds the residuals still held for the group into the gradient ("flush", so
-nothing held back is lost) and averages with the framework's own allreduce.
+nothing held back is lost) and averages with the framework's own allreduce; so does a compressor
+that keeps no residual (a cast), into what it compresses.
 
 Public API: ``Engine(compressor, transport, ...)`` (the arguments below), ``start(flat_grad, keys,
 numels, group) -> Handle`` (compress and launch; never waits), ``finish(handle, result)`` (validate,
 decode-average into ``flat_grad``, commit; never waits), ``end_step()``, ``stats()``,
-``state_dict()``/``load_state_dict()`` and ``check_agreement(groups)``. What adapters implement is
-:class:`gradcomp.transport.Transport`.
+``state_dict()``/``load_state_dict()``, ``check_agreement(groups)`` and ``exchange_for(compressor, numel,
+dtype, device)`` (which exchange carries such a group). What adapters implement is
+:class:`gradcomp.transport.Transport`; what an exchange implements, :class:`gradcomp.exchanges.Exchange`.
 
 ``start`` and ``finish`` do not block (on DDP ``finish`` runs inside the future's ``.then``; the
 finite check that decides the commit stays a device tensor). The blocking calls are the settings
-check (at set-up and DDP's bucket rebuild) and the two-phase exchange's phase 1, inside ``start``.
+check (at set-up and DDP's bucket rebuild) and an exchange's own (the two-phase exchange's phase 1,
+inside ``start``).
 
 Extension slots (filled by :mod:`gradcomp.schedule` and :mod:`gradcomp.optim`):
 
@@ -51,27 +57,51 @@ from typing import Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from gradcomp import agreement, checkpoint, settings
-from gradcomp.agreement import AGREEMENT_FIELDS, SettingsMismatchError, spec_of
-from gradcomp.backends import resolve_backend
+from gradcomp import agreement, checkpoint, exchanges, settings
+from gradcomp.agreement import AGREEMENT_FIELDS, SettingsMismatchError
 from gradcomp.checkpoint import STATE_FORMAT
 from gradcomp.compressors.base import FLOAT_DTYPES, Compressor
-from gradcomp.compressors.per_parameter import PerParameterCache
 from gradcomp.error_feedback import ErrorFeedback
-from gradcomp.exchange import average_gathered
-from gradcomp.payload import PayloadLayout
+from gradcomp.exchanges import Exchange, ExchangeContext
+from gradcomp.payload import Payload
 from gradcomp.settings import DEFAULT_MIN_NUMEL
 from gradcomp.telemetry import Telemetry
-from gradcomp.transport import Handle, Transport
-from gradcomp.two_phase import ExchangeContext, TwoPhaseExchange, check_exchange
-from gradcomp.validation import PayloadError, validate_gathered
+from gradcomp.transport import Transport
 
-__all__ = ["Engine", "Handle", "Transport", "SettingsMismatchError", "STATE_FORMAT", "AGREEMENT_FIELDS", "spec_of"]
+__all__ = ["Engine", "Handle", "Transport", "SettingsMismatchError", "STATE_FORMAT", "AGREEMENT_FIELDS"]
 
 logger = logging.getLogger(__name__)
 
 #: How a group's parameters share a compressed payload (see :class:`Engine`).
 GRANULARITIES = ("parameter", "bucket")
+
+
+class Handle:
+    """One group's exchange in flight, from :meth:`Engine.start` to :meth:`Engine.finish`: filled by the
+    engine and the group's exchange, opaque to adapters but for ``work`` (what the transport returned)
+    and ``exchange`` (which exchange carries the group)."""
+
+    __slots__ = ("group", "keys", "numels", "grad", "exchange", "compressor", "payload", "wire", "work", "scale",
+                 "started", "compress_s")
+
+    def __init__(self, group, keys, numels, grad, exchange, compressor=None):
+        self.group: Hashable = group
+        self.keys: Tuple[Hashable, ...] = keys
+        self.numels: Tuple[int, ...] = numels
+        self.grad: torch.Tensor = grad  # the flat gradient; receives the average
+        self.exchange = exchange  # the gradcomp.exchanges.Exchange that carries the group
+        self.compressor: Optional[Compressor] = compressor  # None or the schedule's on a dense step
+        self.payload: Optional[Payload] = None  # what the exchange compressed (a transform reads it)
+        self.wire: Optional[torch.Tensor] = None  # the tensor handed to the collective
+        self.work = None  # the transport's work object (a Future on DDP, a Horovod handle)
+        self.scale = 1.0  # the loss scale the gradient arrived in (see Engine(grad_scaler=))
+        self.started = 0.0  # time.perf_counter() when the engine began the group's step
+        self.compress_s: Optional[float] = None  # compression seconds, where the exchange measures them
+
+    @property
+    def mode(self) -> str:
+        """The exchange's registered name, as ``stats()`` reports it."""
+        return self.exchange.name
 
 
 class Engine:
@@ -87,13 +117,14 @@ class Engine:
         backend: kernel backend override (``"torch"``, ``"numba"``, ``"cuda"``; else
             ``$GRADCOMP_BACKEND``, else automatic).
         schedule, transform: the extension slots of the module docstring.
-        exchange: ``"allgather"`` or ``"two_phase"`` (:mod:`gradcomp.two_phase`), how payloads
-            that cannot be summed travel.
+        exchange: the name of the exchange that carries payloads that cannot be summed, one of
+            ``gradcomp.exchanges.names(selectable=True)`` (default :data:`gradcomp.exchanges.DEFAULT`);
+            groups it does not apply to go through the default one.
         granularity: ``"parameter"`` (default): top-k keeps ``ceil(density * n_i)`` entries of
             each parameter and a 2-bit scale is per parameter, parameters under ``min_numel``
             travel dense in the same payload (:mod:`gradcomp.compressors.per_parameter`);
-            ``"bucket"``: the whole group is one tensor. The two-phase exchange chunks the group
-            and ignores it.
+            ``"bucket"``: the whole group is one tensor. An exchange that chunks the group
+            (two-phase) ignores it.
         grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision run. Each group is divided
             by its scale on arrival and the average multiplied back before the framework sees it,
             so residuals, DGC velocities and second-stage residuals hold true-gradient units and
@@ -103,7 +134,7 @@ class Engine:
 
     def __init__(self, compressor: Compressor, transport: Optional[Transport] = None, *,
                  warmup_steps: Optional[int] = None, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True,
-                 backend: Optional[str] = None, schedule=None, transform=None, exchange: str = "allgather",
+                 backend: Optional[str] = None, schedule=None, transform=None, exchange: str = exchanges.DEFAULT,
                  policy=None, granularity: str = "parameter", grad_scaler=None):
         self.compressor = settings.check_compressor(compressor)
         self.grad_scaler = grad_scaler
@@ -113,7 +144,6 @@ class Engine:
         #: ``"parameter"``: each parameter of a group compressed on its own (:class:`PerParameter`);
         #: ``"bucket"``: the group as one tensor.
         self.granularity = granularity
-        self._per_parameter = PerParameterCache()
         #: Optional per-group choice of compressor (:class:`gradcomp.policy.Auto`): asked in ``start``
         #: for each group on compressed steps, told in ``finish`` when the group's collective completed.
         self.policy = policy
@@ -123,13 +153,18 @@ class Engine:
         self.backend = settings.check_backend_name(backend)
         self.schedule = schedule
         self.transform = transform
-        self.exchange = check_exchange(exchange)
-        if self.exchange == "two_phase" and transform is not None:
-            raise ValueError("exchange='two_phase' takes no optimizer-aware transform (its stages see whole "
-                             "groups, two-phase compresses per chunk); use exchange='allgather'")
-        #: The two-phase exchange and its second-stage residuals (``None`` with ``"allgather"``).
-        self.two_phase = TwoPhaseExchange() if self.exchange == "two_phase" else None
+        #: The name of the exchange chosen for payloads that cannot be summed.
+        self.exchange = exchanges.check_selectable(exchange)
+        #: The exchanges tried for each group, in order (:func:`gradcomp.exchanges.chain`); they hold
+        #: their own state (the two-phase exchange's second-stage residuals).
+        self.exchanges: Tuple[Exchange, ...] = exchanges.chain(exchange, granularity=granularity,
+                                                               min_numel=self.min_numel)
+        for held in self.exchanges:
+            if transform is not None and held.no_transform_reason is not None:
+                raise ValueError(f"exchange={held.name!r} takes no optimizer-aware transform "
+                                 f"({held.no_transform_reason}); use exchange={exchanges.DEFAULT!r}")
         self.transport = transport
+        self._chosen: Dict[tuple, tuple] = {}  # exchange_for's answers
         self.residual_memory = ErrorFeedback()
         self.telemetry = Telemetry()
         self._step_compressor: Tuple[int, Optional[Compressor]] = (-1, None)
@@ -168,20 +203,26 @@ class Engine:
             self._step_compressor = (self.step, compressor)
         return compressor
 
-    def mode_of(self, compressor: Optional[Compressor], numel: int, dtype: torch.dtype, device) -> str:
-        """``"dense"``, ``"allreduce"``, ``"allgather"`` or ``"two_phase"`` for a group (the same on every rank)."""
-        if compressor is None or dtype not in FLOAT_DTYPES or numel < self.min_numel:
-            return "dense"
-        if compressor.summable:
-            layout = compressor.layout(numel, dtype)
-            if layout == PayloadLayout((("data", dtype, numel),)):
-                return "dense"  # the payload is the gradient itself: the framework's own allreduce
-            if self.transport is None or self.transport.can_allreduce(layout.segments[0].dtype, torch.device(device)):
-                return "allreduce"
-        if self.two_phase is not None and self.transport is not None and self.two_phase.applies(
-                numel, self.transport.world_size):
-            return "two_phase"
-        return "allgather"
+    def exchange_for(self, compressor: Optional[Compressor], numel: int, dtype: torch.dtype, device) -> Exchange:
+        """The exchange that carries a group of ``numel`` elements of ``dtype`` compressed with
+        ``compressor`` (``None``: a dense step); the same on every rank.
+
+        The answer depends on nothing else, so it is kept per (compressor, size, dtype, device,
+        transport) and the exchanges are asked once, not at every step."""
+        if compressor is not None and (dtype not in FLOAT_DTYPES or numel < self.min_numel):
+            compressor = None
+        key = (id(compressor), numel, dtype, str(device), id(self.transport))
+        held = self._chosen.get(key)
+        if held is not None and held[0] is compressor and held[1] is self.transport:  # not a reused id
+            return held[2]
+        exchange = next((e for e in self.exchanges if e.applies(compressor, numel, dtype, device, self.transport)),
+                        None)
+        if exchange is None:
+            raise RuntimeError(f"no exchange of {[e.name for e in self.exchanges]} takes a group of {numel} {dtype}")
+        if len(self._chosen) >= 256:  # a schedule hands out a few compressors; bounded anyway
+            self._chosen.clear()
+        self._chosen[key] = (compressor, self.transport, exchange)
+        return exchange
 
     # -- one group's exchange ----------------------------------------------------------
     def start(self, grad: torch.Tensor, keys: Sequence[Hashable], numels: Sequence[int], group: Hashable) -> Handle:
@@ -190,7 +231,8 @@ class Engine:
         Args:
             grad: the group's flat contiguous gradient ``[n]`` (float32/16/bf16). It is
                 mutated on dense steps (residuals added, scaled by the allreduce) and receives
-                the average in :meth:`finish`; on compressed steps it is only read here.
+                the average in :meth:`finish`; on compressed steps it is only read here, but for
+                the residuals flushed into it when the compressor keeps none.
             keys: the names of the parameters laid out in ``grad``, in order.
             numels: their element counts (sum ``n``).
             group: a name for telemetry and error messages (DDP: the bucket index).
@@ -207,54 +249,15 @@ class Engine:
         compressor = self.compressor_now()
         if self.policy is not None:
             compressor = self.policy.choose(self, group, grad.numel(), grad.dtype, grad.device, compressor)
-        mode = self.mode_of(compressor, grad.numel(), grad.dtype, grad.device)
-        handle = Handle(group, keys, numels, grad, mode, compressor)
-        handle.scale = scale
-        dense_bytes = grad.numel() * grad.element_size()
-        if mode == "dense":
-            # The transform sees the gradient alone, then the residual is added, in the order of
-            # a compressed step (acc = transform(g) + e): a DGC residual already holds velocity,
-            # and must not pass through the momentum a second time.
-            if self.transform is not None:
-                grad.copy_(self.transform.dense(keys, numels, grad.float()))
-            self._flush_residuals(keys, numels, grad)
-            self.telemetry.record(group, dense_bytes, dense_bytes, 0.0, "dense")
-            handle.work = self.transport.allreduce_average(grad, str(group))
-            return handle
-
-        if not self._compression_logged:
-            self._compression_logged = True
-            logger.info("gradcomp: compression starts at step %d with %r", self.step, compressor)
-        started = time.perf_counter()
-        source = grad if self.transform is None else self.transform.before_compress(keys, numels, grad.float())
-        if mode == "two_phase":
-            residuals = (self.residual_memory.buffers(keys, numels, grad.device)
-                         if compressor.uses_error_feedback and self.error_feedback else None)
-            self.two_phase.start(self._exchange_context(), handle, source, residuals, started)
-            return handle
-        if mode == "allgather":
-            compressor = handle.compressor = self._granular(compressor, numels)
-        elif not compressor.uses_error_feedback:
-            # A cast (fp16) keeps no residual: what a compressed step held back for this group
-            # goes out now, as on a dense step (a policy may move a group from top-k to fp16).
-            self._flush_residuals(keys, numels, source)
-        if compressor.uses_error_feedback and self.error_feedback:
-            residual_in, residual_out = self.residual_memory.buffers(keys, numels, grad.device)
-            payload = compressor.compress(source, residual_in, residual_out, backend=self.backend)
-        else:
-            payload = compressor.compress(source, backend=self.backend)
-        handle.payload = payload
-        if self.transform is not None:
-            self.transform.after_compress(keys, payload, compressor, grad.numel())
-        if mode == "allreduce":  # a summable payload: one segment, summed in place by the allreduce
-            wire = payload["data"]
-            self.telemetry.record(group, wire.numel() * wire.element_size(), dense_bytes,
-                                  time.perf_counter() - started, mode, None)
-            handle.work = self.transport.allreduce_average(wire, str(group))
-        else:
-            self.telemetry.record(group, payload.nbytes, dense_bytes, time.perf_counter() - started, mode,
-                                  resolve_backend(grad.device, self.backend))
-            handle.work = self.transport.allgather(payload.buffer, str(group))
+        exchange = self.exchange_for(compressor, grad.numel(), grad.dtype, grad.device)
+        handle = Handle(group, keys, numels, grad, exchange, compressor)
+        handle.scale, handle.started = scale, time.perf_counter()
+        context = self._context()
+        source = self._transformed(handle)
+        exchange.compress(context, handle, source, self._compensate(handle, source))
+        if self.transform is not None and not exchange.sends_gradient:
+            self.transform.after_compress(keys, handle.payload, handle.compressor, grad.numel())
+        exchange.start(context, handle)
         return handle
 
     def finish(self, handle: Handle, result: torch.Tensor) -> torch.Tensor:
@@ -262,85 +265,86 @@ class Engine:
 
         The average is in the loss scale the gradient arrived in (see ``grad_scaler``).
 
-        ``result`` is the collective's output: the reduced tensor (dense, allreduce) or the
-        gathered payloads (allgather; any integer view of the ``P * nbytes`` bytes). Gathered
-        payloads are validated before anything is written; a bad one raises
-        :class:`~gradcomp.validation.PayloadError` naming the sender and the group, and leaves
-        the gradient and the residuals as they were. Never blocks.
+        ``result`` is the collective's output: the reduced tensor (dense, summable payloads) or the
+        gathered payloads (any integer view of the gathered bytes). Received payloads are validated
+        before anything is written; a bad one raises :class:`~gradcomp.validation.PayloadError`
+        naming the sender and the group, and leaves the gradient and the residuals as they were.
+        Never blocks.
         """
-        average = self._average(handle, result)
+        if self.policy is not None:
+            self.policy.finished(handle)
+        context = self._context()
+        average = handle.exchange.finish(context, handle, result)
+        self._commit(context, handle, average)  # on what the model receives: a float16 overflow rejects the step
         if handle.scale != 1.0:
             average.mul_(handle.scale)
         return average
 
-    def _average(self, handle: Handle, result: torch.Tensor) -> torch.Tensor:
-        """:meth:`finish` in the units of the true gradient."""
-        grad, mode = handle.grad, handle.mode
-        if self.policy is not None:
-            self.policy.finished(handle)
-        if mode == "two_phase":
-            return self.two_phase.finish(self._exchange_context(), handle, result)
-        if mode == "dense":
-            if result.data_ptr() != grad.data_ptr():
-                grad.copy_(result.view(-1))
-            self._commit(handle, grad)
+    def _context(self) -> ExchangeContext:
+        """The narrow view of this engine that an exchange gets (the transport may be set late)."""
+        return ExchangeContext(self.transport, self.backend, self.telemetry.record)
+
+    def _compensate(self, handle: Handle, source: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """The group's residual buffers ``(e, e')`` for a compressor that keeps residuals; otherwise
+        what the residuals still hold is added into ``source`` (mutated) and sent now, as a dense step
+        does (a policy may move a group from top-k to fp16), and ``None`` is returned."""
+        compressor = handle.compressor
+        if not handle.exchange.sends_gradient and compressor.uses_error_feedback:
+            if not self.error_feedback:
+                return None
+            return self.residual_memory.buffers(handle.keys, handle.numels, handle.grad.device)
+        self._flush_residuals(handle.keys, handle.numels, source)
+        return None
+
+    def _flush_residuals(self, keys, numels, grad: torch.Tensor) -> None:
+        """Send what the residuals hold with this step's ``grad`` (see :meth:`ErrorFeedback.flush_into`)."""
+        flushed = self.residual_memory.flush_into(keys, numels, grad)
+        if flushed and not self._flush_logged:
+            self._flush_logged = True
+            logger.info("gradcomp: residuals of %d parameters flushed into a dense step at step %d (first: %r)",
+                        len(flushed), self.step, flushed[0])
+
+    # -- the transform slot (its after_compress call is in start) ------------------------
+    def _transformed(self, handle: Handle) -> torch.Tensor:
+        """What the exchange sends or compresses: the gradient, or the transform's output. On a dense
+        step the transform sees the gradient alone and the residual is added after it, in the order of a
+        compressed step (acc = transform(g) + e): a DGC residual already holds velocity, and must not
+        pass through the momentum a second time."""
+        grad = handle.grad
+        if handle.exchange.sends_gradient:
+            if self.transform is not None:
+                grad.copy_(self.transform.dense(handle.keys, handle.numels, grad.float()))
             return grad
-        payload = handle.payload
-        if mode == "allreduce":
-            data = payload["data"]
-            if result.data_ptr() != data.data_ptr():
-                data.copy_(result.view(-1))
-            handle.compressor.decompress(payload, grad, self.backend)
-            self._commit(handle, grad)
+        if not self._compression_logged:
+            self._compression_logged = True
+            logger.info("gradcomp: compression starts at step %d with %r", self.step, handle.compressor)
+        if self.transform is None:
             return grad
+        return self.transform.before_compress(handle.keys, handle.numels, grad.float())
 
-        layout = payload.layout
-        gathered = result.reshape(-1).view(torch.uint8)
-        world_size = gathered.numel() // max(layout.nbytes, 1)
-        if gathered.numel() != world_size * layout.nbytes or (self.transport is not None
-                                                              and world_size != self.transport.world_size):
-            raise PayloadError(
-                f"the allgather of group {handle.group!r} returned {gathered.numel()} bytes, expected "
-                f"{self.transport.world_size if self.transport else '?'} ranks x {layout.nbytes}; ranks disagree "
-                "on the model, its dtypes or the compressor settings"
-            )
-        try:
-            validate_gathered(handle.compressor, layout, gathered, grad.numel())
-        except PayloadError as error:
-            raise PayloadError(f"{error.reason} (group {handle.group!r})", error.rank) from error
-        out = grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32,
-                                                                    device=grad.device)
-        average_gathered(handle.compressor, layout, gathered, out, self.backend)
-        if out is not grad:
-            grad.copy_(out)
-        self._commit(handle, grad)  # on what the model receives: a float16 overflow rejects the step
-        return grad
-
-    def _exchange_context(self) -> ExchangeContext:
-        """The narrow view of this engine that an exchange object gets (the transport may be set late)."""
-        return ExchangeContext(self.transport, self.backend, self.error_feedback, self.telemetry.record, self._commit)
-
-    def _commit(self, handle: Handle, average: torch.Tensor) -> None:
-        """Commit ``e'`` (and the transform's state) only if ``average`` is finite; the
-        decision stays a device tensor, read at the next use of these residuals.
+    def _commit(self, context: ExchangeContext, handle: Handle, average: torch.Tensor) -> None:
+        """Commit ``e'`` (the state of an exchange that keeps some, and the transform's) only if ``average``
+        is finite; the decision stays a device tensor, read at the next use of these residuals.
 
         ``average`` is what the group's gradient received, in the gradient's dtype (every
-        exchange passes the gradient itself after the write), so a result finite in float32
+        exchange returns the gradient itself after the write), so a result finite in float32
         that overflows in float16 commits nothing.
 
         First the transform maps the average back to gradient units in place (``after_average``),
         so that what the framework writes into ``.grad`` is the average gradient whatever the
         stage exchanged."""
-        compressed = handle.mode != "dense"
+        exchange = handle.exchange
         after = getattr(self.transform, "after_average", None)
         if after is not None:
-            after(handle.keys, handle.numels, average, not compressed)
-        feedback = compressed and handle.compressor.uses_error_feedback and self.error_feedback
+            after(handle.keys, handle.numels, average, exchange.sends_gradient)
+        feedback = not exchange.sends_gradient and handle.compressor.uses_error_feedback and self.error_feedback
         if not feedback and self.transform is None:
             return
         accept = torch.isfinite(average).all()
         if feedback:
             self.residual_memory.commit(handle.keys, accept)
+            if exchange.state_key is not None:
+                exchange.commit(context, handle, accept)
         if self.transform is not None:
             self.transform.commit(handle.keys, accept)
 
@@ -354,20 +358,6 @@ class Engine:
         """Close the step: telemetry moves on and the schedule sees the next step number."""
         self.telemetry.end_step()
         self._steps_run += 1
-
-    def _granular(self, compressor: Compressor, numels: Tuple[int, ...]) -> Compressor:
-        """``compressor`` for a group of parameters of ``numels``: per parameter or whole, by :attr:`granularity`."""
-        if self.granularity == "bucket" or len(numels) < 2:
-            return compressor
-        return self._per_parameter.get(compressor, numels, self.min_numel)
-
-    def _flush_residuals(self, keys, numels, grad: torch.Tensor) -> None:
-        """Send what the residuals hold with this step's ``grad`` (see :meth:`ErrorFeedback.flush_into`)."""
-        flushed = self.residual_memory.flush_into(keys, numels, grad)
-        if flushed and not self._flush_logged:
-            self._flush_logged = True
-            logger.info("gradcomp: residuals of %d parameters flushed into a dense step at step %d (first: %r)",
-                        len(flushed), self.step, flushed[0])
 
     # -- agreement between ranks (gradcomp.agreement) ---------------------------------
     def settings_fingerprint(self, groups: Sequence[Tuple[Sequence[int], torch.dtype]]) -> Dict[str, object]:
@@ -405,5 +395,6 @@ class Engine:
     def __getstate__(self):
         state = dict(self.__dict__)
         state["transport"] = None  # process groups and Horovod handles do not cross processes
+        state["_chosen"] = {}  # it holds the transport too
         return state
 

@@ -43,7 +43,7 @@ import torch
 from gradcomp import costmodel
 from gradcomp.compressors import from_spec
 from gradcomp.compressors.base import Compressor
-from gradcomp.exchange import average_gathered
+from gradcomp.exchanges import average_gathered
 
 __all__ = ["Auto", "DEFAULT_CANDIDATES"]
 
@@ -143,7 +143,7 @@ class Auto:
         # previous one is not its own time.
         seconds = now - max(launched, self._last_done)
         self._last_done = now
-        if handle.mode == "dense" and self.link is None:
+        if handle.exchange.sends_gradient and self.link is None:
             seconds = self._hooked("link", handle.group, seconds)
             key = (handle.group, handle.grad.numel() * handle.grad.element_size())
             self._dense.setdefault(key, []).append((self._step_seen, seconds))
@@ -250,7 +250,8 @@ class Auto:
         return best
 
     def _decide(self, engine, group: Hashable, numel: int, dtype, device) -> None:
-        usable = [c for c in self.candidates if engine.mode_of(c, numel, dtype, device) != "dense"]
+        exchanges = {c.spec: engine.exchange_for(c, numel, dtype, device) for c in self.candidates}
+        usable = [c for c in self.candidates if not exchanges[c.spec].sends_gradient]
         missing = [c for c in usable if (c.spec, numel) not in self._kernels]
         if missing:
             local = [self._hooked(f"kernel:{c.spec}", group, self._kernel_seconds(engine, c, numel, dtype, device))
@@ -258,19 +259,20 @@ class Auto:
             slowest = _slowest(self._gather(engine, local))  # inf where no rank measured: never chosen
             self._kernels.update({(c.spec, numel): s for c, s in zip(missing, slowest)})
         cluster = costmodel.Cluster(engine.transport.world_size, self.link)
-        dense = costmodel.predict("dense", None, numel, cluster, dtype=dtype)
-        predicted = {"dense": (dense.total_s, dense.comm_s, "dense")}
+        # Not compressing is a choice too, named after the exchange that then sends the gradient.
+        dense = engine.exchange_for(None, numel, dtype, device)
+        cost = dense.cost(None, numel, cluster, costmodel.Kernels(), dtype)
+        predicted = {dense.name: (cost.total_s, cost.comm_s, dense.name)}
         for c in usable:
-            mode = engine.mode_of(c, numel, dtype, device)
-            exchange = "fp16" if mode == "allreduce" else mode
-            cost = costmodel.predict(exchange, c, numel, cluster, dtype=dtype)
-            predicted[c.spec] = (cost.comm_s + self._kernels[(c.spec, numel)], cost.comm_s, mode)
+            exchange = exchanges[c.spec]
+            cost = exchange.cost(c, numel, cluster, costmodel.Kernels(), dtype)
+            predicted[c.spec] = (cost.comm_s + self._kernels[(c.spec, numel)], cost.comm_s, exchange.name)
         best = min((c for c in usable), key=lambda c: predicted[c.spec][0], default=None)
-        if best is not None and predicted[best.spec][0] <= (1 - self.dense_margin) * predicted["dense"][0]:
+        if best is not None and predicted[best.spec][0] <= (1 - self.dense_margin) * predicted[dense.name][0]:
             choice = best
         else:
             choice = None
-        name = "dense" if choice is None else choice.spec
+        name = dense.name if choice is None else choice.spec
         self._chosen[group] = choice
         self.decisions[group] = {"choice": name, "mode": predicted[name][2], "numel": int(numel),
                                  "predicted_s": {k: v[0] for k, v in predicted.items()},

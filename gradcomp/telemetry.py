@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from typing import Dict, Hashable, Optional
 
-__all__ = ["Telemetry", "MODES"]
+from gradcomp.exchanges import registry as exchange_registry
 
-#: How a group travelled: ``dense`` (the framework's own allreduce of the gradient: warm-up,
-#: a group under ``min_numel`` or a compressor whose payload is the gradient itself),
-#: ``allreduce`` (a summable payload, e.g. fp16), ``allgather`` (fixed-size payloads of every
-#: rank, decoded in rank order), ``sparse`` (Horovod's sparse allreduce of a sparse gradient),
-#: ``two_phase`` (all-to-all of chunks, then an allgather of the re-compressed averages).
-MODES = ("dense", "allreduce", "allgather", "sparse", "two_phase")
+__all__ = ["Telemetry"]
+
+#: The exchange names seen registered (a cache of the registry's, read at every record).
+_KNOWN_MODES = set()
 
 _SUMMED = ("bytes_sent", "dense_bytes", "compress_s")
 
@@ -36,9 +34,12 @@ class Telemetry:
 
     def record(self, group: Hashable, bytes_sent: int, dense_bytes: int, compress_s: float, mode: str,
                backend: Optional[str] = None) -> None:
-        """Count one group's exchange in the current step."""
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; modes are {MODES}")
+        """Count one group's exchange in the current step; ``mode`` is how it travelled, the name of a
+        registered exchange (:mod:`gradcomp.exchanges`)."""
+        if mode not in _KNOWN_MODES:
+            _KNOWN_MODES.update(exchange_registry.names())  # an exchange registered since
+            if mode not in _KNOWN_MODES:
+                raise ValueError(f"unknown mode {mode!r}; modes are {exchange_registry.names()}")
         self._current[group] = {"bytes_sent": int(bytes_sent), "dense_bytes": int(dense_bytes),
                                 "compress_s": float(compress_s), "mode": mode, "backend": backend}
         self._totals["bytes_sent"] += int(bytes_sent)
@@ -68,7 +69,8 @@ class Telemetry:
         allreduce of the same gradients would hand over), ``compression_ratio`` (dense ÷ sent)
         and ``compress_s``; ``total`` also has ``steps``.
         ``last_step["groups"]`` is ``{group: {"bytes_sent", "dense_bytes", "compress_s", "mode",
-        "backend"}}`` with ``mode`` one of :data:`MODES` and ``backend`` the kernel backend that
+        "backend"}}`` with ``mode`` the name of the exchange that carried the group (one of
+        ``gradcomp.exchanges.names()``) and ``backend`` the kernel backend that
         compressed the group (``None`` when no kernel ran). ``agreement`` counts the settings
         checks between ranks: ``{"collectives", "bytes_sent"}`` (not in the totals above).
         """

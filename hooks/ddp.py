@@ -26,13 +26,16 @@ from gradcomp import inflight
 from gradcomp.compressors.base import Compressor
 from gradcomp.engine import Engine, Transport
 from gradcomp.error_feedback import ErrorFeedback
-from gradcomp.exchange import allgather_bytes
+from gradcomp.exchanges import DEFAULT as DEFAULT_EXCHANGE
 from gradcomp.settings import DEFAULT_MIN_NUMEL
 from gradcomp.setup import prepare
 
 __all__ = ["CompressionState", "compression_hook", "register"]
 
 logger = logging.getLogger(__name__)
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; accept both.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TorchDistributedTransport(Transport):
@@ -62,7 +65,20 @@ class TorchDistributedTransport(Transport):
         return dist.all_reduce(tensor, group=self._group, async_op=True).get_future()
 
     def allgather(self, buffer: torch.Tensor, name: str) -> torch.futures.Future:
-        return allgather_bytes(buffer, self._group)
+        """Start an allgather of the 1-D uint8 ``buffer`` (the same size on every rank); the future's
+        value is ``[gathered]``, uint8 ``[world_size * buffer.numel()]``."""
+        gathered = torch.empty(self.world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
+        # Held until Gloo's thread lets go of them, so it never needs the GIL at exit (see inflight).
+        inflight.hold(buffer, gathered)
+        work = _all_gather_flat(gathered, buffer, group=self._group, async_op=True)
+
+        # The work's own future does not carry the output tensor on every backend (Gloo gives back
+        # the input), so hand on the buffer gathered into -- after value() has re-raised any failure.
+        def gathered_or_raise(fut: torch.futures.Future):
+            fut.value()
+            return [gathered]
+
+        return work.get_future().then(inflight.watch(gathered_or_raise))
 
     def all_to_all(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         received = torch.empty_like(buffer)
@@ -93,7 +109,8 @@ class CompressionState:
             residuals names that survive a restart. :func:`register` passes it.
         backend: kernel backend override (``"torch"``, ``"numba"``, ``"cuda"``).
         schedule, transform: the engine's extension slots (:mod:`gradcomp.engine`).
-        exchange: ``"allgather"`` (default) or ``"two_phase"`` (:mod:`gradcomp.two_phase`).
+        exchange: the exchange that carries payloads that cannot be summed, by name
+            (``gradcomp.exchanges.names(selectable=True)``; default :data:`gradcomp.exchanges.DEFAULT`).
         policy: a per-bucket choice of method, e.g. :class:`gradcomp.Auto` (measures the link
             during the dense warm-up, then picks dense, fp16, 2-bit or top-k per bucket).
         granularity: ``"parameter"`` (default: each parameter of a bucket compressed on its own,
@@ -115,7 +132,7 @@ class CompressionState:
         backend: Optional[str] = None,
         schedule=None,
         transform=None,
-        exchange: str = "allgather",
+        exchange: str = DEFAULT_EXCHANGE,
         policy=None,
         granularity: str = "parameter",
         grad_scaler=None,
@@ -231,7 +248,7 @@ def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torc
         >>> state = CompressionState(gradcomp.TwoBit(0.5), named_parameters=net.named_parameters())
         >>> ddp_model.register_comm_hook(state, compression_hook)
     """
-    engine = state.engine
+    engine: Engine = state.engine
     try:
         numels = [g.numel() for g in bucket.gradients()]
         handle = engine.start(bucket.buffer(), state._keys(bucket), numels, bucket.index())

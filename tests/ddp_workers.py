@@ -150,10 +150,10 @@ def identity_vs_builtin(rank, world_size, steps):
 def count_collective_bytes(rank, world_size, steps):
     """Spy on the real collectives (they still run) to count the bytes handed to them,
     and compare with what the state reports."""
-    import gradcomp.exchange as exchange
+    import gradcomp.hooks.ddp as ddp_hook
 
     handed = []
-    real_gather, real_reduce = exchange._all_gather_flat, dist.all_reduce
+    real_gather, real_reduce = ddp_hook._all_gather_flat, dist.all_reduce
 
     def gather(output, input, *args, **kwargs):
         handed[-1] += input.numel() * input.element_size()
@@ -163,7 +163,7 @@ def count_collective_bytes(rank, world_size, steps):
         handed[-1] += tensor.numel() * tensor.element_size()
         return real_reduce(tensor, *args, **kwargs)
 
-    exchange._all_gather_flat, dist.all_reduce = gather, reduce
+    ddp_hook._all_gather_flat, dist.all_reduce = gather, reduce
     try:
         model = make_model("mlp")
         ddp = DDP(model, bucket_cap_mb=0.01)
@@ -181,7 +181,7 @@ def count_collective_bytes(rank, world_size, steps):
         return {"handed": handed, "reported": reported, "total": state.stats()["total"]["bytes_sent"],
                 "buckets": len(stats["last_step"]["groups"])}
     finally:
-        exchange._all_gather_flat, dist.all_reduce = real_gather, real_reduce
+        ddp_hook._all_gather_flat, dist.all_reduce = real_gather, real_reduce
 
 
 def transport_holds(rank, world_size):

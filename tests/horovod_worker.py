@@ -365,6 +365,20 @@ def scenario_cross_path(rank, hvd):
         dist.destroy_process_group()
 
 
+def scenario_sum_reduction(rank, hvd):
+    """op=hvd.Sum with each exchange of non-summable payloads: the gradients of one compressed step,
+    beside those of op=hvd.Average from the same start."""
+    results = {}
+    for exchange in ("allgather", "two_phase"):
+        results[exchange] = {}
+        for op_name, op in (("Average", hvd.Average), ("Sum", hvd.Sum)):
+            model = make_model()
+            opt = dropin(model, compression=gradcomp.TopK(0.05), min_numel=0, warmup_steps=0, exchange=exchange, op=op)
+            _, grads = train(opt, model, make_data(rank), 1, record_grads=True)
+            results[exchange][op_name] = grads[0]
+    return results
+
+
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     import horovod.torch as hvd
@@ -381,6 +395,7 @@ def main(out_dir: str) -> None:
     results["cross_path"] = scenario_cross_path(rank, hvd)
     results["refused"] = scenario_refused(rank, hvd)
     results["exchange_and_policy"] = scenario_exchange_and_policy(rank, hvd)
+    results["sum_reduction"] = scenario_sum_reduction(rank, hvd)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     torch.save(results, path + ".tmp")
     os.replace(path + ".tmp", path)

@@ -6,7 +6,7 @@ import torch
 
 from gradcomp import TopK, TwoBit
 from gradcomp.costmodel import Cluster, Kernels, Link, gbit, predict
-from gradcomp.two_phase import VERDICT_NBYTES, chunk_bounds, chunk_layouts
+from gradcomp.exchanges.two_phase import VERDICT_NBYTES, chunk_bounds, chunk_layouts
 
 LAN = Link(latency_s=50e-6, bandwidth=gbit(10))
 

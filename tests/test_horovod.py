@@ -21,7 +21,7 @@ import torch
 import gradcomp
 import horovod_worker as worker
 import multiprocess
-from gradcomp.telemetry import MODES
+from gradcomp.exchanges import names as exchange_names
 
 try:
     import horovod
@@ -356,9 +356,17 @@ def test_dropin_takes_exchange_and_policy_as_the_ddp_hook_does(ranks, name, mode
     for param in first["params"]:
         assert bitwise_equal(first["params"][param], second["params"][param]), f"{name}: {param} differs"
     assert all(torch.isfinite(torch.tensor(first["losses"])))
-    assert first["modes"] == second["modes"] and set(first["modes"]) <= set(MODES), first["modes"]
+    assert first["modes"] == second["modes"] and set(first["modes"]) <= set(exchange_names()), first["modes"]
     if mode is not None:  # groups with fewer elements than ranks fall back to allgather
         assert mode in first["modes"] and set(first["modes"]) <= {mode, "allgather"}, first["modes"]
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two_phase"])
+def test_op_sum_gives_the_average_times_the_world_size_with_every_exchange(ranks, exchange):
+    for rank in ranks:
+        result = rank["sum_reduction"][exchange]
+        for name, average in result["Average"].items():
+            assert torch.equal(result["Sum"][name], average * worker.WORLD_SIZE), (exchange, name)
 
 
 # -- in-process: the compression protocol and argument checks -----------------------------
@@ -366,6 +374,30 @@ def test_dropin_takes_exchange_and_policy_as_the_ddp_hook_does(ranks, name, mode
 def test_wrapping_a_non_summable_compressor_says_what_to_use(compressor):
     with pytest.raises(TypeError, match=r"gradcomp\.hooks\.horovod\.DistributedOptimizer"):
         gc_hvd.Compression.wrap(compressor)
+
+
+@pytest.mark.parametrize("compressor", [gradcomp.TopK(0.01), gradcomp.TwoBit(0.5), gradcomp.FP16()], ids=repr)
+def test_horovods_own_optimizer_hands_a_gradcomp_compressor_a_refusal(compressor):
+    """The guard gradcomp.hooks.horovod puts on hvd.DistributedOptimizer, in-process on a stand-in for
+    Horovod's optimizer (test_horovods_own_optimizer_refuses_... runs the real one under horovodrun)."""
+
+    class Stand:
+        @staticmethod
+        def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none, op=None):
+            return compression
+
+    gc_hvd.refuse_gradcomp_compressors(Stand)
+    gc_hvd.refuse_gradcomp_compressors(Stand)  # idempotent
+    grad = torch.randn(4, 8)
+    for given in (compressor, type(compressor)):  # the class by mistake, too
+        refusing = Stand.DistributedOptimizer(None, None, given)
+        with pytest.raises(TypeError, match=r"horovod\.DistributedOptimizer\(opt, named_parameters=") as error:
+            refusing.compress(grad)  # at the first compress call, as Horovod's gradient hook makes it
+        assert ("Compression.wrap(FP16())" in str(error.value)) == (given is compressor and compressor.summable)
+    assert Stand.DistributedOptimizer(None, compression=gc_hvd.Compression.fp16) is gc_hvd.Compression.fp16
+    assert Stand.DistributedOptimizer(None) is hvd.Compression.none
+    assert hvd.DistributedOptimizer.refuses_gradcomp_compressors  # installed by importing gradcomp.hooks.horovod
+    assert compressor.compress(grad.view(-1)).nbytes == compressor.layout(32, torch.float32).nbytes  # unchanged
 
 
 def test_fp16_compression_follows_the_horovod_protocol():

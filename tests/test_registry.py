@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import gradcomp
-from gradcomp.compressors import BF16, FP16, Compressor, Identity, TopK, TwoBit, from_spec, register, registered
+from gradcomp.compressors import BF16, FP16, Compressor, Identity, TopK, TwoBit, from_spec, registered, spec_name
 
 SPECS = {
     "topk:0.01": (TopK, "topk:0.01"),
@@ -36,11 +36,11 @@ def test_from_spec_builds_the_named_compressor_with_a_canonical_spec(text):
 def test_the_known_names_are_registered_once():
     assert set(registered()) == {"topk", "twobit", "identity", "fp16", "bf16"}
     assert registered()["topk"] is TopK
-    register("topk", params=("density",))(TopK)  # the same class again: a no-op
+    spec_name("topk", params=("density",))(TopK)  # the same class again: a no-op
     with pytest.raises(ValueError, match="already registered"):
-        register("topk")(FP16)
+        spec_name("topk")(FP16)
     with pytest.raises(ValueError, match="lower-case"):
-        register("Top K")
+        spec_name("Top K")
 
 
 @pytest.mark.parametrize("seed", range(20))

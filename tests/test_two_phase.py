@@ -178,14 +178,14 @@ def test_mode_needs_one_element_per_rank():
     from gradcomp.engine import Engine
 
     engine = Engine(from_spec("twobit:0.5"), FourRanks(), min_numel=0, exchange="two_phase")
-    assert engine.mode_of(engine.compressor, 4, torch.float32, "cpu") == "two_phase"
-    assert engine.mode_of(engine.compressor, 3, torch.float32, "cpu") == "allgather"
-    assert engine.mode_of(from_spec("fp16"), 4096, torch.float32, "cpu") == "allreduce"  # summable: unchanged
+    assert engine.exchange_for(engine.compressor, 4, torch.float32, "cpu").name == "two_phase"
+    assert engine.exchange_for(engine.compressor, 3, torch.float32, "cpu").name == "allgather"
+    assert engine.exchange_for(from_spec("fp16"), 4096, torch.float32, "cpu").name == "allreduce"  # summable
 
 
 def test_owner_residuals_load_transactionally_and_warn_when_dropped():
     from gradcomp.engine import Engine
-    from gradcomp.two_phase import owner_key
+    from gradcomp.exchanges.two_phase import owner_key
 
     engine = Engine(from_spec("topk:0.01"), FourRanks(), exchange="two_phase")
     saved = engine.state_dict()
@@ -213,9 +213,9 @@ def test_owner_residuals_load_transactionally_and_warn_when_dropped():
 
 
 def test_a_loaded_owner_residual_of_another_size_is_dropped_at_first_use_and_stale_ones_at_a_rebuild():
-    from gradcomp.two_phase import TwoPhaseExchange, owner_key
+    from gradcomp.exchanges.two_phase import TwoPhase, owner_key
 
-    exchange = TwoPhaseExchange()
+    exchange = TwoPhase()
     old, new = owner_key(("a", "b"), 4, 0), owner_key(("b", "a"), 4, 0)
     exchange.prepare_load({old: torch.ones(5)}, 4, 0)()
     with pytest.warns(UserWarning, match="dropped"):

@@ -119,8 +119,8 @@ def _log_choice(device: torch.device, backend: str, how: str) -> None:
     logger.info("gradcomp kernels for %s tensors: backend %r (%s)", device.type, backend, how)
 
 
-def register(op: str, backend: str) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as the implementation of ``op`` on ``backend``."""
+def implements(op: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` is the implementation of ``op`` on ``backend`` (an entry of :data:`KERNELS`)."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; ops are {OPS}")
     if backend not in BACKENDS:

@@ -36,7 +36,7 @@ import numpy
 import torch
 
 import gradcomp.csrc
-from gradcomp.backends import checks, register
+from gradcomp.backends import checks, implements
 
 logger = logging.getLogger(__name__)
 
@@ -337,34 +337,34 @@ def _run_on_device(plan, tensors, *args) -> None:
         plan(launcher, device_config(index), *args)
 
 
-@register("twobit_compress", "cuda")
+@implements("twobit_compress", "cuda")
 def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) -> None:
     _run_on_device(plan_twobit_compress, (grad, residual_in, residual_out, codes),
                    grad, residual_in, residual_out, threshold, codes)
 
 
-@register("twobit_decompress_add", "cuda")
+@implements("twobit_decompress_add", "cuda")
 def twobit_decompress_add(codes, threshold: float, out) -> None:
     _run_on_device(plan_twobit_decompress_add, (codes, out), codes, threshold, out)
 
 
-@register("topk_compress", "cuda")
+@implements("topk_compress", "cuda")
 def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
     _run_on_device(plan_topk_compress, (grad, residual_in, residual_out, values, indices),
                    grad, residual_in, residual_out, values, indices)
 
 
-@register("topk_decompress_add", "cuda")
+@implements("topk_decompress_add", "cuda")
 def topk_decompress_add(values, indices, out) -> None:
     _run_on_device(plan_topk_decompress_add, (values, indices, out), values, indices, out)
 
 
-@register("twobit_chunk_compress", "cuda")
+@implements("twobit_chunk_compress", "cuda")
 def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> None:
     _run_on_device(plan_twobit_chunk_compress, (grad, residual_in, residual_out, codes, scales),
                    grad, residual_in, residual_out, codes, scales)
 
 
-@register("twobit_chunk_decompress_add", "cuda")
+@implements("twobit_chunk_decompress_add", "cuda")
 def twobit_chunk_decompress_add(codes, scales, out) -> None:
     _run_on_device(plan_twobit_chunk_decompress_add, (codes, scales, out), codes, scales, out)

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from gradcomp.backends import checks, register
+from gradcomp.backends import checks, implements
 
 _CODE_POS, _CODE_NEG, _CODE_NONFINITE = 1, 2, 3
 
@@ -22,7 +22,7 @@ def compensate(grad: torch.Tensor, residual_in: Optional[torch.Tensor]) -> torch
     return acc
 
 
-@register("twobit_compress", "torch")
+@implements("twobit_compress", "torch")
 def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) -> None:
     checks.check_twobit_compress(grad, residual_in, residual_out, codes)
     acc = compensate(grad, residual_in)
@@ -55,7 +55,7 @@ def twobit_decode(codes: torch.Tensor, threshold: float, numel: int) -> torch.Te
     return table[code]
 
 
-@register("twobit_decompress_add", "torch")
+@implements("twobit_decompress_add", "torch")
 def twobit_decompress_add(codes, threshold: float, out) -> None:
     checks.check_twobit_decompress_add(codes, out)
     out.add_(twobit_decode(codes, threshold, out.numel()))
@@ -78,7 +78,7 @@ def topk_select(acc: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(key, k, sorted=False).indices.sort().values
 
 
-@register("topk_compress", "torch")
+@implements("topk_compress", "torch")
 def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
     checks.check_topk_compress(grad, residual_in, residual_out, values, indices)
     acc = compensate(grad, residual_in)
@@ -90,7 +90,7 @@ def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
         residual_out.copy_(acc)
 
 
-@register("topk_decompress_add", "torch")
+@implements("topk_decompress_add", "torch")
 def topk_decompress_add(values, indices, out) -> None:
     n, _ = checks.check_topk_decompress_add(values, indices, out)
     # Out-of-range, duplicate or unsorted indices raise before anything is written; valid
@@ -147,7 +147,7 @@ def pack_codes(code: torch.Tensor, codes: torch.Tensor) -> None:
     codes.copy_(torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32))
 
 
-@register("twobit_chunk_compress", "torch")
+@implements("twobit_chunk_compress", "torch")
 def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> None:
     checks.check_twobit_chunk_compress(grad, residual_in, residual_out, codes, scales)
     acc = compensate(grad, residual_in)
@@ -167,7 +167,7 @@ def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> Non
     pack_codes(code, codes)
 
 
-@register("twobit_chunk_decompress_add", "torch")
+@implements("twobit_chunk_decompress_add", "torch")
 def twobit_chunk_decompress_add(codes, scales, out) -> None:
     checks.check_twobit_chunk_decompress_add(codes, scales, out)
     n = out.numel()

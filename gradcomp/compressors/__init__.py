@@ -7,11 +7,11 @@ string back.
 """
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.casts import BF16, FP16, Cast, Identity
-from gradcomp.compressors.registry import from_spec, register, registered, spec_of
+from gradcomp.compressors.registry import from_spec, registered, spec_name, spec_of
 from gradcomp.compressors.topk import TopK
 from gradcomp.compressors.twobit import TwoBit
 
 __all__ = [
     "Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "Cast", "check_gradient",
-    "from_spec", "register", "registered", "spec_of",
+    "from_spec", "registered", "spec_name", "spec_of",
 ]  # fmt: skip

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import abc
-import functools
-import sys
 from typing import ClassVar, Optional
 
 import torch
@@ -24,50 +22,6 @@ def check_gradient(tensor: torch.Tensor) -> None:
         )
     if tensor.dim() != 1 or not tensor.is_contiguous():
         raise ValueError(f"expected a flat contiguous tensor, got shape {tuple(tensor.shape)}; pass tensor.view(-1)")
-
-
-def refused_by_horovod(compressor) -> TypeError:
-    """The error for a compressor (instance, or class by mistake) given to Horovod's own
-    ``hvd.DistributedOptimizer(compression=...)``."""
-    if isinstance(compressor, type):
-        compressor = f"gradcomp.{compressor.__name__}(...)"  # shown as the instance to pass
-        summable = False
-    else:
-        summable = compressor.summable
-        compressor = repr(compressor)
-    # A summable payload fits Horovod's allreduce once wrapped as a Horovod compression class.
-    instead = f"compression=gradcomp.hooks.horovod.Compression.wrap({compressor}) with hvd's optimizer, or " \
-        if summable else ""
-    return TypeError(
-        f"{compressor} was passed to Horovod's own hvd.DistributedOptimizer(compression=...), which "
-        "expects a Horovod compression class (compress(t) -> (t, ctx)) and cannot carry gradcomp "
-        f"payloads. Use {instead}the drop-in optimizer with the same arguments: "
-        "gradcomp.hooks.horovod.DistributedOptimizer(opt, named_parameters=model.named_parameters(), "
-        f"compression={compressor})"
-    )
-
-
-def _refuse_horovod_callers(compress):
-    """Wrap a ``compress`` so that a call from Horovod's optimizer raises :func:`refused_by_horovod`.
-
-    Horovod 0.28.1 only stores ``compression`` when its optimizer is built
-    (``horovod/torch/optimizer.py``, ``self._compression = compression``) and first calls
-    ``compression.compress(grad)`` from the gradient hook in the first ``backward()``; that call
-    is the earliest point gradcomp sees. Without this check it would fail further on, with a
-    ``KeyError`` or a shape error that says nothing of the fix.
-    """
-
-    @functools.wraps(compress)
-    def checked(self, *args, **kwargs):
-        if sys._getframe(1).f_globals.get("__name__", "").startswith("horovod."):
-            # compression=gradcomp.TopK (the class) makes Horovod pass the gradient as self.
-            raise refused_by_horovod(self if isinstance(self, Compressor) else owner[0])
-        return compress(self, *args, **kwargs)
-
-    owner = []  # the class, filled in by __init_subclass__ once it exists
-    checked.owner = owner
-
-    return checked
 
 
 class Compressor(abc.ABC):
@@ -109,14 +63,6 @@ class Compressor(abc.ABC):
     #: Whether a payload sends some entries whole and the rest not at all (top-k), so that
     #: :meth:`sent_indices` names them; quantizers send every entry approximately.
     sparsifies: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if not getattr(cls.compress, "__isabstractmethod__", False):
-            # One wrapper per class (around the unwrapped function), so that the error names
-            # the class Horovod was given even when it inherits compress.
-            cls.compress = _refuse_horovod_callers(getattr(cls.compress, "__wrapped__", cls.compress))
-            cls.compress.owner.append(cls)
 
     @abc.abstractmethod
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from gradcomp.compressors.base import Compressor, check_gradient
-from gradcomp.compressors.registry import register
+from gradcomp.compressors.registry import spec_name
 from gradcomp.payload import Payload, PayloadLayout
 
 
@@ -43,19 +43,19 @@ class Cast(Compressor):
         out.add_(payload["data"].float())
 
 
-@register("identity")
+@spec_name("identity")
 class Identity(Cast):
     """Dense: the payload is the tensor itself, in its own dtype."""
 
 
-@register("fp16")
+@spec_name("fp16")
 class FP16(Cast):
     """Cast to float16 on the wire (as torch's ``fp16_compress_hook``)."""
 
     wire_dtype = torch.float16
 
 
-@register("bf16")
+@spec_name("bf16")
 class BF16(Cast):
     """Cast to bfloat16 on the wire (as torch's ``bf16_compress_hook``)."""
 

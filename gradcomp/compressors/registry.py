@@ -16,9 +16,9 @@ with ``repr`` (the shortest string that reads back as the same double). So
 ``from_spec(c.spec).spec == c.spec`` exactly, on every machine: checkpoints record
 ``spec`` and ranks compare it to agree on their settings.
 
-A compressor registers itself with a class decorator::
+A compressor class takes its name in the registry with a class decorator::
 
-    @register("topk", params=("density",))
+    @spec_name("topk", params=("density",))
     class TopK(Compressor): ...
 
 ``params`` are the constructor's keyword names whose values (read back as attributes of
@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Dict, List, Sequence, Tuple, Type, TypeVar, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from gradcomp.compressors.base import Compressor
 
-__all__ = ["register", "from_spec", "spec_of", "registered"]
+__all__ = ["spec_name", "from_spec", "spec_of", "registered"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
@@ -47,7 +47,7 @@ _NAME_OF: Dict[Type[Compressor], str] = {}
 C = TypeVar("C", bound=Type[Compressor])
 
 
-def register(name: str, params: Sequence[str] = ()) -> Callable[[C], C]:
+def spec_name(name: str, params: Sequence[str] = ()) -> Callable[[C], C]:
     """Class decorator: make ``cls`` constructible by :func:`from_spec` as ``name``.
 
     Args:
@@ -63,11 +63,11 @@ def register(name: str, params: Sequence[str] = ()) -> Callable[[C], C]:
     params = tuple(params)
     for param in params:
         if not isinstance(param, str) or not param.isidentifier():
-            raise ValueError(f"register({name!r}): params must be keyword names, got {param!r}")
+            raise ValueError(f"spec_name({name!r}): params must be keyword names, got {param!r}")
 
     def decorator(cls: C) -> C:
         if not (isinstance(cls, type) and issubclass(cls, Compressor)):
-            raise TypeError(f"register({name!r}) decorates Compressor subclasses, got {cls!r}")
+            raise TypeError(f"spec_name({name!r}) decorates Compressor subclasses, got {cls!r}")
         taken = _BY_NAME.get(name)
         if taken is not None and taken[0] is not cls:
             raise ValueError(f"compressor name {name!r} is already registered to {taken[0].__qualname__}")
@@ -76,7 +76,8 @@ def register(name: str, params: Sequence[str] = ()) -> Callable[[C], C]:
         _BY_NAME[name] = (cls, params)
         _NAME_OF[cls] = name
         if "spec" not in vars(cls):
-            cls.spec = property(spec_of, doc="The canonical spec: ``from_spec(self.spec)`` rebuilds this compressor.")
+            cls.spec = property(_canonical_spec,
+                                doc="The canonical spec: ``from_spec(self.spec)`` rebuilds this compressor.")
         return cls
 
     return decorator
@@ -105,8 +106,18 @@ def _format_value(owner: str, key: str, value) -> str:
     raise TypeError(f"{owner}.{key} = {value!r} cannot be written in a spec (numbers, booleans and bare words only)")
 
 
-def spec_of(compressor: Compressor) -> str:
-    """The canonical spec of a registered compressor (see the module docstring).
+def spec_of(compressor: Optional[Compressor]) -> Optional[str]:
+    """The string that names ``compressor`` in checkpoints and in the settings check between ranks:
+    its ``spec`` (the canonical spec of a registered compressor, or a class's own), else its
+    ``repr``; ``None`` for ``None`` (a dense step)."""
+    if compressor is None:
+        return None
+    spec = getattr(compressor, "spec", None)
+    return spec if isinstance(spec, str) else repr(compressor)
+
+
+def _canonical_spec(compressor: Compressor) -> str:
+    """The canonical spec of a registered compressor (see the module docstring), its ``spec`` property.
 
     Raises ``TypeError`` for a compressor whose exact class is not registered (a subclass
     of a registered class too: its spec would rebuild the parent, not it).
@@ -116,7 +127,7 @@ def spec_of(compressor: Compressor) -> str:
     if name is None:
         raise TypeError(
             f"{cls.__qualname__} is not in the compressor registry (known: {_known()}); decorate it with "
-            "@gradcomp.compressors.register('name', params=(...)) so it can be named, checkpointed and "
+            "@gradcomp.compressors.spec_name('name', params=(...)) so it can be named, checkpointed and "
             "compared across ranks"
         )
     parts = []

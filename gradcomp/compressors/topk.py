@@ -9,12 +9,12 @@ import torch
 from gradcomp.backends import kernel
 from gradcomp.backends.checks import topk_index_problem
 from gradcomp.compressors.base import Compressor, check_gradient
-from gradcomp.compressors.registry import register
+from gradcomp.compressors.registry import spec_name
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import check_layout
 
 
-@register("topk", params=("density",))
+@spec_name("topk", params=("density",))
 class TopK(Compressor):
     """Exact top-k by magnitude, ``k = max(1, ceil(density * n))``.
 

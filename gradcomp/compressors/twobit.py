@@ -8,12 +8,12 @@ import torch
 
 from gradcomp.backends import kernel
 from gradcomp.compressors.base import Compressor, check_gradient
-from gradcomp.compressors.registry import register
+from gradcomp.compressors.registry import spec_name
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import check_layout
 
 
-@register("twobit", params=("threshold",))
+@spec_name("twobit", params=("threshold",))
 class TwoBit(Compressor):
     """``acc >= t`` sends ``+t``, ``acc <= -t`` sends ``-t``, anything else sends 0.
 

@@ -1,4 +1,4 @@
-"""Horovod integration: gradcomp compressors inside Horovod, with no patching of Horovod.
+"""Horovod integration: gradcomp compressors inside Horovod, through its public interfaces.
 
 Split as Horovod itself is (``horovod/torch/compression.py`` beside ``optimizer.py``):
 
@@ -24,12 +24,22 @@ Split as Horovod itself is (``horovod/torch/compression.py`` beside ``optimizer.
 A gradcomp compressor passed straight to Horovod's own optimizer
 (``hvd.DistributedOptimizer(..., compression=gradcomp.TopK(0.01))``) raises a ``TypeError`` that
 names these two calls, at its first compress call (Horovod only stores ``compression`` when its
-optimizer is built).
+optimizer is built): importing this package installs that one guard on ``hvd.DistributedOptimizer``
+(:func:`~gradcomp.hooks.horovod.compression.refuse_gradcomp_compressors`); nothing else of Horovod
+is changed.
 
 bfloat16: Horovod 0.28.1 has no bfloat16 allreduce, so ``Compression.bf16`` says what to use
 instead, and the drop-in optimizer sends such payloads by allgather (for two ranks, the same bytes).
 """
-from gradcomp.hooks.horovod.compression import Compression, GradcompCompression, horovod_can_allreduce
+from gradcomp.hooks.horovod.compression import (
+    Compression,
+    GradcompCompression,
+    horovod_can_allreduce,
+    refuse_gradcomp_compressors,
+)
 from gradcomp.hooks.horovod.optimizer import DistributedOptimizer
 
-__all__ = ["Compression", "GradcompCompression", "DistributedOptimizer", "horovod_can_allreduce"]
+refuse_gradcomp_compressors()
+
+__all__ = ["Compression", "GradcompCompression", "DistributedOptimizer", "horovod_can_allreduce",
+           "refuse_gradcomp_compressors"]

@@ -10,15 +10,26 @@ bfloat16: Horovod 0.28.1's torch bindings have no bfloat16 allreduce (on CPU or 
 ``horovod_torch_allreduce_async_torch_BFloat16Tensor`` does not exist), so
 ``Compression.bf16`` raises a ``TypeError`` that says what to use instead when the installed
 Horovod cannot sum bfloat16.
+
+A gradcomp compressor given to Horovod's own optimizer (``compression=gradcomp.TopK(0.01)``)
+cannot work: its ``compress`` returns a gradcomp payload, not Horovod's ``(tensor, ctx)``.
+:func:`refuse_gradcomp_compressors` (installed by :mod:`gradcomp.hooks.horovod`) makes
+``hvd.DistributedOptimizer`` hand such a compressor to Horovod as :func:`refusing`, a Horovod
+compression whose ``compress`` raises :func:`refused_by_horovod`: every rank raises the same
+``TypeError``, naming the call to use, at its first compress call in the first ``backward()``
+(where the optimizer first uses it), before any collective.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Optional
 
 import torch
 
 try:
     import horovod
+    import horovod.torch as _hvd_torch
     from horovod.torch import compression as _hvd_compression
 except ImportError as error:  # pragma: no cover - exercised only without Horovod
     raise ImportError(
@@ -31,7 +42,9 @@ from gradcomp.compressors.base import FLOAT_DTYPES
 from gradcomp.hooks.horovod.transport import horovod_can_allreduce
 from gradcomp.settings import check_compressor
 
-__all__ = ["Compression", "GradcompCompression", "horovod_can_allreduce", "as_compressor"]
+__all__ = ["Compression", "GradcompCompression", "horovod_can_allreduce", "as_compressor", "refused_by_horovod",
+           "refusing", "refuse_gradcomp_compressors"]
+
 
 def _wire_dtype(compressor: Compressor, dtype: torch.dtype) -> torch.dtype:
     """The dtype a summable compressor's single ``data`` segment has for ``dtype`` input."""
@@ -142,3 +155,65 @@ def as_compressor(compression) -> Optional[Compressor]:
         "gradcomp.FP16(), ...) or a Horovod compression (hvd.Compression.none, "
         f"gradcomp.hooks.horovod.Compression.fp16, ...), got {compression!r}"
     )
+
+
+def refused_by_horovod(compressor) -> TypeError:
+    """The error for a compressor (instance, or class by mistake) given to Horovod's own
+    ``hvd.DistributedOptimizer(compression=...)``."""
+    if isinstance(compressor, type):
+        compressor = f"gradcomp.{compressor.__name__}(...)"  # shown as the instance to pass
+        summable = False
+    else:
+        summable = compressor.summable
+        compressor = repr(compressor)
+    # A summable payload fits Horovod's allreduce once wrapped as a Horovod compression class.
+    instead = f"compression=gradcomp.hooks.horovod.Compression.wrap({compressor}) with hvd's optimizer, or " \
+        if summable else ""
+    return TypeError(
+        f"{compressor} was passed to Horovod's own hvd.DistributedOptimizer(compression=...), which "
+        "expects a Horovod compression class (compress(t) -> (t, ctx)) and cannot carry gradcomp "
+        f"payloads. Use {instead}the drop-in optimizer with the same arguments: "
+        "gradcomp.hooks.horovod.DistributedOptimizer(opt, named_parameters=model.named_parameters(), "
+        f"compression={compressor})"
+    )
+
+
+def refusing(compressor) -> type:
+    """A Horovod compression class whose ``compress`` raises :func:`refused_by_horovod` for ``compressor``."""
+
+    def compress(tensor):
+        raise refused_by_horovod(compressor)
+
+    def decompress(tensor, ctx):
+        raise refused_by_horovod(compressor)
+
+    return type("RefusedGradcompCompression", (_hvd_compression.Compressor,),
+                {"compress": staticmethod(compress), "decompress": staticmethod(decompress)})
+
+
+def refuse_gradcomp_compressors(horovod_torch=None) -> None:
+    """Make ``horovod_torch.DistributedOptimizer`` (default: ``horovod.torch``'s) hand a gradcomp
+    compressor (instance or class) to Horovod as :func:`refusing`; every other argument, and every
+    other compression, reaches Horovod unchanged. Idempotent.
+
+    Horovod's optimizer only stores ``compression`` when it is built and first calls ``compress``
+    from the gradient hook in the first ``backward()``; without this, that call would fail further
+    on, with an error that says nothing of the fix.
+    """
+    module = horovod_torch if horovod_torch is not None else _hvd_torch
+    original = module.DistributedOptimizer
+    if getattr(original, "refuses_gradcomp_compressors", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def DistributedOptimizer(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        compression = bound.arguments.get("compression")
+        if isinstance(compression, Compressor) or (isinstance(compression, type) and issubclass(compression,
+                                                                                               Compressor)):
+            bound.arguments["compression"] = refusing(compression)
+        return original(*bound.args, **bound.kwargs)
+
+    DistributedOptimizer.refuses_gradcomp_compressors = True
+    module.DistributedOptimizer = DistributedOptimizer

@@ -18,6 +18,8 @@ from horovod.torch.mpi_ops import Average, Sum, global_process_set
 
 from gradcomp.engine import Engine, Handle
 from gradcomp.error_feedback import ErrorFeedback
+from gradcomp.exchanges import DEFAULT as DEFAULT_EXCHANGE
+from gradcomp.exchanges.sparse import FrameworkSparse
 from gradcomp.hooks.horovod.compression import Compression, as_compressor
 from gradcomp.hooks.horovod.parameters import (
     Unit,
@@ -101,9 +103,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"group {unit.name} has sparse gradients; pass sparse_as_dense=True")
             work = _hvd_mpi_ops.sparse_allreduce_async(grads[0], name=unit.name, op=self.op,
                                                        process_set=self.process_set)  # fmt: skip
-            dense_bytes = grads[0].numel() * grads[0].element_size()
-            self.engine.telemetry.record(unit.name, grads[0]._values().numel() * grads[0].element_size(),
-                                         dense_bytes, 0.0, "sparse")  # fmt: skip
+            FrameworkSparse.record(self.engine.telemetry.record, unit.name, grads[0])
             return work, False, resparsify
         flat, flat_is_grad = flatten(grads)
         return self.engine.start(flat, unit.names, unit.numels, unit.name), flat_is_grad, resparsify
@@ -115,8 +115,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grads[0].zero_().add_(handle())
             return
         flat = self.engine.finish(handle, hvd.synchronize(handle.work))
-        if self.op == Sum and handle.mode == "allgather":
-            flat.mul_(self.process_set.size())  # the engine averages; exact for power-of-two sizes
+        if self.op == Sum and handle.exchange.averages_itself:
+            flat.mul_(self.process_set.size())  # the exchange averaged; exact for power-of-two sizes
         if not flat_is_grad:
             unflatten(flat, grads)
         for p in resparsify:
@@ -222,7 +222,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set=global_process_set, warmup_steps: Optional[int] = None,
                          min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True, backend: Optional[str] = None,
-                         schedule=None, transform=None, exchange: str = "allgather", policy=None,
+                         schedule=None, transform=None, exchange: str = DEFAULT_EXCHANGE, policy=None,
                          total_steps: Optional[int] = None, scheduler=None,
                          min_compression: Optional[float] = None):  # fmt: skip
     """``hvd.DistributedOptimizer`` that also takes ``TopK`` and ``TwoBit``.
@@ -230,8 +230,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     The first ten arguments are Horovod's, with Horovod's meaning; ``compression`` is a gradcomp
     compressor instance or a Horovod compression class. The rest are the engine's, with the same
     meaning as on the DDP hook's :class:`~gradcomp.hooks.ddp.CompressionState`
-    (:class:`gradcomp.engine.Engine`; defaults in :mod:`gradcomp.settings`): ``exchange`` is
-    ``"allgather"`` or ``"two_phase"`` (:mod:`gradcomp.two_phase`, over ``hvd.alltoall``), and
+    (:class:`gradcomp.engine.Engine`; defaults in :mod:`gradcomp.settings`): ``exchange`` names one
+    of :mod:`gradcomp.exchanges` (``names(selectable=True)``; all-to-alls go over ``hvd.alltoall``), and
     ``policy`` a per-group choice of method such as :class:`gradcomp.Auto`. Each parameter (or
     group of ``groups``, compressed as one flat tensor) is compressed with error feedback keyed
     by its name once backward has run ``backward_passes_per_step`` times, its payload allgathered
@@ -265,14 +265,37 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     engine_settings = dict(warmup_steps=warmup_steps, min_numel=min_numel, error_feedback=error_feedback,
                            backend=backend, schedule=schedule, transform=transform, exchange=exchange, policy=policy)
     if compressor is None or (op not in (Average, Sum) and compressor.summable):
-        defaults = dict(warmup_steps=None, min_numel=DEFAULT_MIN_NUMEL, error_feedback=True, backend=None,
-                        schedule=None, transform=None, exchange="allgather", policy=None)
-        changed = sorted(k for k, v in engine_settings.items() if v is not defaults[k] and v != defaults[k])
-        if changed:
-            warnings.warn(f"gradcomp: {changed} have no effect when hvd.DistributedOptimizer does the exchange")
+        _warn_unused(engine_settings)
         horovod_compression = compression if compressor is None else Compression.wrap(compressor)
         return hvd.DistributedOptimizer(optimizer, named_parameters, horovod_compression, backward_passes_per_step,
                                         op, gradient_predivide_factor, 0, groups, sparse_as_dense, process_set)
+    _check_drop_in_arguments(compressor, op, named_parameters, error_feedback)
+    engine = Engine(compressor, HorovodTransport(process_set, op, gradient_predivide_factor), **engine_settings)
+    engine.agreement_steps = ()  # checked once at construction instead
+    distributed = _drop_in(optimizer, named_parameters, engine, backward_passes_per_step, op, groups, sparse_as_dense,
+                           process_set)
+    distributed.recipe = recipe
+    return distributed
+
+
+def _drop_in(optimizer, named_parameters, engine: Engine, *args) -> torch.optim.Optimizer:
+    """``optimizer``'s class with :class:`_DistributedOptimizer`'s methods, over its param groups and
+    state, exchanging through ``engine``; ``args`` are the rest of that class's arguments."""
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    # hvd.broadcast_optimizer_state recognises a distributed optimizer by its module and then
+    # initialises state with the wrapped class's step() instead of ours, which would start an
+    # exchange. Claim Horovod's module so that it treats this one the same way.
+    cls.__module__ = _hvd_optimizer.DistributedOptimizer.__module__
+    distributed = cls(optimizer.param_groups, named_parameters, engine, *args)
+    distributed.state.update(optimizer.state)  # keep what the wrapped optimizer accumulated
+    transform = engine.transform
+    if transform is not None and callable(getattr(transform, "before_optimizer_step", None)):
+        transform.optimizer = distributed  # the stage reads the state of the optimizer the user steps
+    return distributed
+
+
+def _check_drop_in_arguments(compressor, op, named_parameters, error_feedback: bool) -> None:
+    """Raise ``ValueError`` for a reduction op or missing names the drop-in cannot work with."""
     if op not in (Average, Sum):
         raise ValueError(
             f"op={op_name(op)} cannot combine {compressor!r} payloads: each rank's payload is decoded and the "
@@ -282,17 +305,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError(
             f"{compressor!r} keeps error-feedback residuals keyed by parameter name, so that they are "
             "saved and restored by name; pass named_parameters=model.named_parameters() (or error_feedback=False).")
-    engine = Engine(compressor, HorovodTransport(process_set, op, gradient_predivide_factor), **engine_settings)
-    engine.agreement_steps = ()  # checked once at construction instead
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    # hvd.broadcast_optimizer_state recognises a distributed optimizer by its module and then
-    # initialises state with the wrapped class's step() instead of ours, which would start an
-    # exchange. Claim Horovod's module so that it treats this one the same way.
-    cls.__module__ = _hvd_optimizer.DistributedOptimizer.__module__
-    distributed = cls(optimizer.param_groups, named_parameters, engine, backward_passes_per_step, op, groups,
-                      sparse_as_dense, process_set)
-    distributed.state.update(optimizer.state)  # keep what the wrapped optimizer accumulated
-    distributed.recipe = recipe
-    if transform is not None and callable(getattr(transform, "before_optimizer_step", None)):
-        transform.optimizer = distributed  # the stage reads the state of the optimizer the user steps
-    return distributed
+
+
+def _warn_unused(engine_settings: dict) -> None:
+    """Warn about the engine's settings that differ from their defaults when Horovod's own optimizer runs."""
+    defaults = dict(warmup_steps=None, min_numel=DEFAULT_MIN_NUMEL, error_feedback=True, backend=None,
+                    schedule=None, transform=None, exchange=DEFAULT_EXCHANGE, policy=None)
+    changed = sorted(k for k, v in engine_settings.items() if v is not defaults[k] and v != defaults[k])
+    if changed:
+        warnings.warn(f"gradcomp: {changed} have no effect when hvd.DistributedOptimizer does the exchange")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gradcomp.backends import checks, register
+from gradcomp.backends import checks, implements
 from gradcomp.backends.numba import topk, topk_decode, twobit, twobit_chunk
 from gradcomp.backends.numba.concurrency import serialized
 
@@ -40,7 +40,7 @@ def residual_arg(residual_in, residual_out):
     return as_array(residual_out)
 
 
-@register("twobit_compress", "numba")
+@implements("twobit_compress", "numba")
 @serialized
 def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) -> None:
     checks.check_twobit_compress(grad, residual_in, residual_out, codes)
@@ -50,14 +50,14 @@ def twobit_compress(grad, residual_in, residual_out, threshold: float, codes) ->
     )
 
 
-@register("twobit_decompress_add", "numba")
+@implements("twobit_decompress_add", "numba")
 @serialized
 def twobit_decompress_add(codes, threshold: float, out) -> None:
     checks.check_twobit_decompress_add(codes, out)
     twobit.decompress_add_kernel(as_array(codes).view(np.uint8), np.float32(threshold), as_array(out))
 
 
-@register("twobit_chunk_compress", "numba")
+@implements("twobit_chunk_compress", "numba")
 @serialized
 def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> None:
     checks.check_twobit_chunk_compress(grad, residual_in, residual_out, codes, scales)
@@ -65,14 +65,14 @@ def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> Non
                                  as_array(codes).view(np.uint32), as_array(scales))
 
 
-@register("twobit_chunk_decompress_add", "numba")
+@implements("twobit_chunk_decompress_add", "numba")
 @serialized
 def twobit_chunk_decompress_add(codes, scales, out) -> None:
     checks.check_twobit_chunk_decompress_add(codes, scales, out)
     twobit_chunk.decompress_add_kernel(as_array(codes).view(np.uint32), as_array(scales), as_array(out))
 
 
-@register("topk_compress", "numba")
+@implements("topk_compress", "numba")
 @serialized
 def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
     n, k = checks.check_topk_compress(grad, residual_in, residual_out, values, indices)
@@ -90,7 +90,7 @@ def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
     _TOPK_WORKSPACE.grow(index_dtype, *needed)
 
 
-@register("topk_decompress_add", "numba")
+@implements("topk_decompress_add", "numba")
 @serialized
 def topk_decompress_add(values, indices, out) -> None:
     n, _ = checks.check_topk_decompress_add(values, indices, out)
