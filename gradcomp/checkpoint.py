@@ -15,7 +15,8 @@ import torch
 from gradcomp.compressors.registry import spec_of
 from gradcomp.exchanges import registry as exchange_registry
 
-__all__ = ["STATE_FORMAT", "REQUIRED_KEYS", "MAX_STEP", "state_dict", "prepare_load", "check_float_vector"]
+__all__ = ["STATE_FORMAT", "REQUIRED_KEYS", "MAX_STEP", "state_dict", "prepare_load", "check_float_vector",
+           "all_ranks", "own_part"]
 
 #: The version of the state dict's layout (recorded as ``"format"``).
 STATE_FORMAT = 1
@@ -26,10 +27,10 @@ def state_dict(engine) -> dict:
 
     ``{"format": 1, "step": int, "world_size": int, "rank": int, "compressor": spec str,
     "schedule": schedule.state_dict(), "transform": transform.state_dict() or None,
-    "residuals": {parameter name: float32 1-D tensor on CPU}}``, plus, for each exchange of the
-    engine's chain that keeps state, that state under its key (the two-phase exchange's
-    second-stage residuals under ``"owner_residuals"``). Residuals are one rank's private error:
-    save every rank's state.
+    "residuals": {parameter name: float32 1-D tensor on CPU}, "telemetry": stats' totals}``, plus,
+    for each exchange of the engine's chain that keeps state, that state under its key (the
+    two-phase exchange's second-stage residuals under ``"owner_residuals"``). Residuals are one
+    rank's private error: save every rank's state, or all ranks' in one file (:func:`all_ranks`).
     """
     transport = engine.transport
     schedule = engine.schedule
@@ -42,12 +43,37 @@ def state_dict(engine) -> dict:
         "schedule": schedule.state_dict() if callable(getattr(schedule, "state_dict", None)) else None,
         "transform": engine.transform.state_dict() if engine.transform is not None else None,
         "residuals": engine.residual_memory.state_dict()["residuals"],
+        "telemetry": engine.telemetry.totals(),
         **{held.state_key: held.state_dict() for held in engine.exchanges if held.state_key is not None},
     }
 
 
 #: The keys of :func:`state_dict`'s output; an exchange's state key is written only by an engine that holds it.
 REQUIRED_KEYS = ("format", "step", "world_size", "rank", "compressor", "schedule", "transform", "residuals")
+#: Keys a checkpoint may lack (written since): the totals of ``stats()``.
+OPTIONAL_KEYS = ("telemetry",)
+TELEMETRY_KEYS = ("bytes_sent", "dense_bytes", "compress_s", "steps")
+
+
+def all_ranks(states) -> dict:
+    """Every rank's :func:`state_dict` (``states[r]`` of rank ``r``) as one dict, for a loop that saves
+    one file from rank 0; :func:`own_part` takes each rank's part back out of it."""
+    states = list(states)
+    for rank, state in enumerate(states):
+        if not isinstance(state, Mapping) or state.get("rank") != rank:
+            raise ValueError(f"all_ranks needs every rank's state_dict in rank order; entry {rank} is not rank {rank}'s")
+    return {"format": STATE_FORMAT, "ranks": states}
+
+
+def own_part(saved, rank: int, world_size: int):
+    """``saved`` itself, or this rank's part of an :func:`all_ranks` dict. A dict of another world size
+    gives rank 0's part, which then loads with zeroed residuals and a warning (see :func:`prepare_load`)."""
+    if not isinstance(saved, Mapping) or "ranks" not in saved:
+        return saved
+    ranks = saved["ranks"]
+    if not isinstance(ranks, (list, tuple)) or not ranks or saved.get("format") != STATE_FORMAT:
+        raise ValueError("a gradcomp checkpoint of all ranks holds {'format': 1, 'ranks': [state of each rank]}")
+    return ranks[rank] if len(ranks) == world_size else ranks[0]
 #: The largest step a checkpoint may hold: far beyond any run, and safe in int64 arithmetic.
 MAX_STEP = 2**62
 MAX_WORLD_SIZE = 2**31
@@ -73,14 +99,16 @@ def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = 
     """
     if unknown_residuals not in ("raise", "warn"):
         raise ValueError(f"unknown_residuals must be 'raise' or 'warn', got {unknown_residuals!r}")
+    transport = engine.transport
+    here = (transport.world_size, transport.rank) if transport is not None else (1, 0)
+    saved = own_part(saved, here[1], here[0])
     step, world_size, rank = _checked_header(saved)
+    totals = _checked_totals(saved.get("telemetry"))
     kept = _checked_residuals(saved["residuals"], parameter_numels, unknown_residuals)
     saved_spec = saved["compressor"]
     if not isinstance(saved_spec, str):
         raise ValueError(f"'compressor' must be a spec string, got {type(saved_spec).__name__}")
     assign_slots = _prepared_slots(engine, saved)
-    transport = engine.transport
-    here = (transport.world_size, transport.rank) if transport is not None else (1, 0)
     reset_reason = None
     if world_size != here[0] or rank != here[1]:
         reset_reason = (f"the checkpoint was saved by rank {rank} of world size {world_size} and is loaded by rank "
@@ -94,10 +122,15 @@ def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = 
     def assign() -> None:
         assign_slots()
         engine.step = step
+        if totals is not None:
+            engine.telemetry.load_totals(totals)
         if reset_reason is not None:
             if kept:
                 warnings.warn(f"gradcomp: {reset_reason}; error-feedback residuals are reset to zero")
             engine.residual_memory.reset()
+            reset = getattr(engine.transform, "reset", None)
+            if reset is not None:  # the stage's per-rank state (first moments) is this rank's alone too
+                reset()
         else:
             engine.residual_memory.load_state_dict({"residuals": kept})
         for held, assign_state in exchange_states:
@@ -117,7 +150,7 @@ def _checked_header(saved) -> Tuple[int, int, int]:
     missing = [key for key in REQUIRED_KEYS if key not in saved]
     if missing:
         raise ValueError(f"state_dict lacks {missing}; pass the dict from state_dict()")
-    known = REQUIRED_KEYS + exchange_registry.state_keys()
+    known = REQUIRED_KEYS + OPTIONAL_KEYS + exchange_registry.state_keys()
     unknown = sorted(str(key) for key in saved if key not in known)
     if unknown:
         raise ValueError(f"state_dict has keys {unknown} that gradcomp does not write; pass the dict from "
@@ -128,6 +161,19 @@ def _checked_header(saved) -> Tuple[int, int, int]:
     step = _int_field(saved, "step", 0, MAX_STEP)
     world_size = _int_field(saved, "world_size", 1, MAX_WORLD_SIZE)
     return step, world_size, _int_field(saved, "rank", 0, world_size - 1)
+
+
+def _checked_totals(totals) -> Optional[dict]:
+    """The saved totals of ``stats()`` (``None``: a checkpoint written before they were saved)."""
+    if totals is None:
+        return None
+    if not isinstance(totals, Mapping) or set(totals) != set(TELEMETRY_KEYS):
+        raise ValueError(f"'telemetry' must hold {TELEMETRY_KEYS}, got {totals!r}")
+    for key in TELEMETRY_KEYS:
+        value = totals[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise ValueError(f"'telemetry' {key!r} must be a finite number >= 0, got {value!r}")
+    return dict(totals)
 
 
 def _prepared_slots(engine, saved) -> Callable[[], None]:

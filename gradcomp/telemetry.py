@@ -83,6 +83,14 @@ class Telemetry:
             "agreement": dict(self._agreement),
         }
 
+    def totals(self) -> dict:
+        """The run's totals (``bytes_sent``, ``dense_bytes``, ``compress_s``, ``steps``), for a checkpoint."""
+        return dict(self._totals)
+
+    def load_totals(self, totals: dict) -> None:
+        """Continue the totals of a checkpoint (:meth:`totals`), so that ``stats()`` survives a resume."""
+        self._totals = {key: type(self._totals[key])(totals[key]) for key in self._totals}
+
     def __getstate__(self):
         return {slot: getattr(self, slot) for slot in self.__slots__}
 

@@ -197,10 +197,27 @@ class CompressionState:
             )
         return self.engine.state_dict()
 
+    def full_state_dict(self) -> dict:
+        """Every rank's :meth:`state_dict` in one dict (:func:`gradcomp.checkpoint.all_ranks`), for a
+        loop that saves one file from rank 0. A collective: every rank calls it, every rank gets it.
+        :meth:`load_state_dict` takes it on every rank, each taking its own part::
+
+            ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "gradcomp": state.full_state_dict()}
+            if rank == 0:
+                torch.save(ckpt, "ckpt.pt")
+        """
+        from gradcomp.checkpoint import all_ranks
+
+        mine = self.state_dict()
+        gathered = [None] * self.engine.transport.world_size
+        dist.all_gather_object(gathered, mine, group=self.engine.transport.process_group)
+        return all_ranks(gathered)
+
     def load_state_dict(self, state_dict: dict, unknown_residuals: str = "raise") -> None:
-        """Restore :meth:`state_dict` (from DDP or the Horovod optimizer) transactionally; see
-        :meth:`gradcomp.engine.Engine.load_state_dict`. A checkpoint of another world size, rank
-        or compressor loads with a warning and zero residuals."""
+        """Restore :meth:`state_dict` or this rank's part of :meth:`full_state_dict` (from DDP or the
+        Horovod optimizer) transactionally; see :meth:`gradcomp.engine.Engine.load_state_dict`. A
+        checkpoint of another world size, rank or compressor loads with a warning and zero residuals."""
         self.engine.load_state_dict(state_dict, self._parameter_numels, unknown_residuals)
 
     # -- telemetry ---------------------------------------------------------------------

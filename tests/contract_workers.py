@@ -85,35 +85,86 @@ def make_scaler(config: dict):
     return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) if config.get("scaler") else None
 
 
+class Rank:
+    """One real DDP rank of the loop: model, optimizer, scheduler, scaler and gradcomp's state."""
+
+    def __init__(self, rank: int, config: dict):
+        self.rank, self.config = rank, config
+        self.model = make_model()
+        self.ddp = DDP(self.model)
+        self.optimizer, self.scheduler = build_optimizer(config, self.model)
+        self.scaler = make_scaler(config)
+        self.state = None
+        if config.get("spec"):
+            self.state = gradcomp.register(self.ddp, config["spec"], optimizer=self.optimizer,
+                                           total_steps=config["steps"], scheduler=self.scheduler,
+                                           min_compression=config.get("min_compression", 2.0),
+                                           grad_scaler=self.scaler, min_numel=256)
+        self.log = {"norms": [], "grads": []}
+
+    def train(self, start: int, stop: int) -> None:
+        config, micro = self.config, self.config.get("accumulation", 1)
+        for s in range(start, stop):
+            if self.scheduler is None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr_at(config, s)
+            for m in range(micro):
+                context = self.ddp.no_sync() if m < micro - 1 else contextlib.nullcontext()
+                with context:
+                    loss = loss_fn(self.ddp, *batch(self.rank, s * micro + m)) / micro
+                    (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            self.log["grads"].append(self.model[2].weight.grad.clone())
+            self.log["norms"].append(clip(config, self.model, self.optimizer, self.scaler))
+            step(config, self.optimizer, self.scheduler, self.scaler)
+
+    def checkpoint(self) -> dict:
+        """One dict for the whole job (rank 0 saves it): gradcomp's part holds every rank's state."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "gradcomp": self.state.full_state_dict()}
+
+    def restore(self, saved: dict) -> None:
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(saved["scaler"])
+        self.state.load_state_dict(saved["gradcomp"])
+
+    def result(self) -> dict:
+        return {**self.log, "params": [p.detach().clone() for p in self.model.parameters()],
+                "stats": self.state.stats()["total"] if self.state is not None else None}
+
+
 def ddp_worker(rank: int, world_size: int, config: dict) -> dict:
     """The loop on a real DDP rank with ``gradcomp.register``; what it logged and its final parameters."""
     torch.set_num_threads(1)
-    model = make_model()
-    ddp = DDP(model)
-    optimizer, scheduler = build_optimizer(config, model)
-    scaler = make_scaler(config)
-    state = None
-    if config.get("spec"):
-        state = gradcomp.register(ddp, config["spec"], optimizer=optimizer, total_steps=config["steps"],
-                                  scheduler=scheduler, min_compression=config.get("min_compression", 2.0),
-                                  grad_scaler=scaler, min_numel=256)
-    log = {"norms": [], "grads": []}
-    for s in range(config["steps"]):
-        if scheduler is None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(config, s)
-        micro = config.get("accumulation", 1)
-        for m in range(micro):
-            context = ddp.no_sync() if m < micro - 1 else contextlib.nullcontext()
-            with context:
-                loss = loss_fn(ddp, *batch(rank, s * micro + m)) / micro
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-        log["grads"].append(model[2].weight.grad.clone())
-        log["norms"].append(clip(config, model, optimizer, scaler))
-        step(config, optimizer, scheduler, scaler)
-    log["params"] = [p.detach().clone() for p in model.parameters()]
-    log["stats"] = state.stats()["total"] if state is not None else None
-    return log
+    run = Rank(rank, config)
+    run.train(0, config["steps"])
+    return run.result()
+
+
+def one_file_resume_worker(rank: int, world_size: int, out_dir: str, config: dict, split: int) -> dict:
+    """Train ``split`` steps, save one file from rank 0, rebuild everything, load the file on every
+    rank and finish the run."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    first = Rank(rank, config)
+    first.train(0, split)
+    saved = first.checkpoint()
+    path = os.path.join(out_dir, "checkpoint.pt")
+    if rank == 0:
+        torch.save(saved, path)
+    dist.barrier()
+    second = Rank(rank, config)
+    second.restore(torch.load(path, weights_only=True))
+    second.train(split, config["steps"])
+    return second.result()
 
 
 def simulated(config: dict, world_size: int = 2) -> list:

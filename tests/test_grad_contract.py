@@ -130,3 +130,22 @@ def test_a_binding_clip_in_the_dense_start_trains_as_dense(spec):
     assert all(norm > 0.05 for norm in dense[0]["norms"][:dense_start])  # the clip binds
     for s in range(dense_start):
         assert torch.equal(compressed[0]["grads"][s], dense[0]["grads"][s])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case,split", [("adamw-topk", 9), pytest.param("sgdm-twobit", 5, marks=pytest.mark.slow)])
+def test_one_file_from_rank_0_resumes_bitwise(tmp_path, case, split):
+    """A loop that saves one dict from rank 0 (``state.full_state_dict()``: every rank's residuals and
+    first moments) and loads it on every rank resumes bitwise, after the freeze; ``stats()`` totals
+    continue."""
+    config = {**BASE, **CASES[case]}
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "resumed").mkdir()
+    whole = multiprocess.spawn(workers.ddp_worker, 2, tmp_path / "whole", config, timeout_s=240)
+    resumed = multiprocess.spawn(workers.one_file_resume_worker, 2, tmp_path / "resumed", config, split,
+                                 timeout_s=240, pass_out_dir=True)
+    for rank in range(2):
+        for a, b in zip(whole[rank]["params"], resumed[rank]["params"]):
+            assert torch.equal(a, b), f"rank {rank}"
+        counts = ("bytes_sent", "dense_bytes", "steps")  # compress_s is a time, different every run
+        assert {k: resumed[rank]["stats"][k] for k in counts} == {k: whole[rank]["stats"][k] for k in counts}

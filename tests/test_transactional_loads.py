@@ -76,3 +76,28 @@ def test_the_frozen_denominator_does_not_depend_on_when_it_is_computed():
     optimizer.state[param]["step"] += 5
     del optimizer.state[param]["frozen_denom"]
     assert torch.equal(stage._denom(param, group), first)
+
+
+def test_another_ranks_state_loads_with_a_warning_and_this_ranks_moments_forgotten():
+    """The first moments are one rank's own, as its residuals: rank 0's state loaded by rank 1
+    (a single file of rank 0 read everywhere) resets both, with a warning; the all-ranks form gives
+    each rank its own part."""
+    from gradcomp.checkpoint import all_ranks
+    from gradcomp.transport import Transport
+
+    class Rank(Transport):
+        def __init__(self, rank):
+            self.rank, self.world_size = rank, 2
+
+    _, _, stage = _stage_with_moments()
+    saved = Engine(gradcomp.TopK(0.1), Rank(0), transform=stage).state_dict()
+    saved["residuals"] = {name: torch.ones(m.numel()) for name, m in stage.moments.items()}
+    _, _, other = _stage_with_moments()
+    engine = Engine(gradcomp.TopK(0.1), Rank(1), transform=other)
+    with pytest.warns(UserWarning, match="saved by rank 0 .* loaded by rank 1"):
+        engine.load_state_dict(saved)
+    assert other.moments == {} and not engine.residual_memory.keys()
+    mine = {**saved, "rank": 1, "residuals": {k: v * 2 for k, v in saved["residuals"].items()}}
+    engine.load_state_dict(all_ranks([saved, mine]))
+    assert all(torch.equal(engine.residual_memory.residual(k), v) for k, v in mine["residuals"].items())
+    assert other.moments.keys() == stage.moments.keys()

@@ -266,6 +266,12 @@ class FrozenVarianceAdam:
 
         return assign
 
+    def reset(self) -> None:
+        """Forget this rank's first moments (a checkpoint of another rank): the next compressed step
+        starts from the optimizer's own ``exp_avg``, the same on every rank."""
+        self.moments = {}
+        self._pending.clear()
+
     def __repr__(self) -> str:
         return f"FrozenVarianceAdam({type(self.optimizer).__name__}, {self._recipe()})"
 
