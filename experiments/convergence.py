@@ -1,60 +1,54 @@
-"""The convergence study: does compressed training reach the dense held-out loss?
+"""The convergence study: does compressed training reach the dense held-out loss, on models of
+different kinds, with the workloads' own training loops?
 
-Every run is real data-parallel training through the product path: ``--nproc`` ranks (default
-2) x 1 thread, DDP over Gloo, the gradient-communication method registered as DDP's comm hook,
-inside a network namespace whose loopback is shaped to ``--link`` (default 1 Gbit/s, see
-``netem.py``; without root it falls back to the unshaped loopback and says so), so step times
-are measured on that link.
+Runs of gradcomp's methods and of dense DDP go through the in-process simulation of the ranks
+(:mod:`experiments.simrun`: the engine's own compress, exchange, average and stage on 2 ranks,
+bitwise the real DDP run over Gloo, ``tests/test_grad_contract.py``), so that the study takes hours,
+not days, on two cores: ``--jobs`` runs at once, one thread each. torch's hooks (``fp16``,
+``powersgd``) and ``auto`` (which measures a link) run real DDP over Gloo, 2 ranks x 1 thread, on the
+shaped link ``--link`` (``netem.py``). Every run uses DDP's default buckets (``"buckets"`` in its row).
 
-Methods (``method`` in the rows) and what each one runs:
+Methods (``method`` in the rows):
 
 ================  =============================================================================
 ``dense``         DDP's built-in allreduce, fp32
-``fp16``          torch's ``fp16_compress_hook``
-``powersgd``      torch's PowerSGD hook, rank 4, error feedback, 2 dense steps
 ``topk``          the one-call recipe, ``register(model, "topk:0.01", optimizer=, total_steps=,
-                  scheduler=)``: SGD-momentum -> DGC momentum correction (the momentum moves
-                  into gradcomp), AdamW -> its variance frozen after the dense start and the
-                  momentum exchanged in update units; a sparsity ramp sized to the byte budget
-``twobit``        the same call with ``"twobit:rms"`` (scale per parameter and step); under
-                  SGD-momentum the momentum stays in the optimizer (1-bit SGD's arrangement)
-``auto``          the top-k recipe with ``policy=gradcomp.Auto()`` (dense, fp16, 2-bit or top-k
-                  per bucket, each running its recipe)
-``topk-noef``     the ``topk`` recipe with error feedback off
-``twobit-noef``   the ``twobit`` recipe with error feedback off
-``topk-naive``    the path without the recipe: top-k 1%, error feedback, 2 dense steps, whole
-                  buckets, the optimizer unchanged (momentum / live Adam)
-``twobit-naive``  the same with one fixed threshold, 4 x the gradient RMS at the last dense step
+                  scheduler=)`` (:mod:`gradcomp.recipe`)
+``twobit``        the same call with ``"twobit:chunk"``
+``topk-noef``     the ``topk`` recipe with error feedback off (and ``twobit-noef``)
+``topk-plain``    error feedback into the user's optimizer without the recipe, 2 dense steps, as
+                  ``register(model, "topk:0.01")`` alone does (and ``twobit-plain``)
+``fp16``          torch's ``fp16_compress_hook`` (real DDP)
+``powersgd``      torch's PowerSGD hook, rank 4, error feedback, 2 dense steps (real DDP)
+``auto``          the top-k recipe with ``policy=gradcomp.Auto()`` (real DDP)
 ================  =============================================================================
 
-Optimizers: ``adamw`` (lr 1e-3, weight decay 0) and ``sgdm`` (SGD, momentum 0.9, lr 0.1 for
-charlm, 0.05 for digits); both with a linear LR warm-up of ``min(20, steps // 10)`` steps and a
-cosine decay to 10% (as ``train.py``), given to the runs as a ``LambdaLR`` scheduler. Every run
-uses DDP's default buckets (``"buckets": "default"`` in its row).
+Workloads and their loops are :mod:`experiments.suite` and :mod:`experiments.loop`: charlm-small
+(transformer, 2000 steps), proselm (GRU, 600), digits-mlp (MLP, 1000), shapes (CNN, 600) and gpt (a
+GPT trained as popular single-file scripts do: learning rate set by hand, clip 1.0, two param
+groups, accumulation; 1000); each under AdamW and SGD with momentum 0.9, with a linear LR warm-up of
+``min(20, steps // 10)`` steps and a cosine decay to 10%. The recipe's design was decided on
+charlm-small and proselm; digits-mlp, shapes and gpt are held out.
 
-Outputs in ``--out``:
+Outputs in ``--out`` (:mod:`experiments.study_report`):
 
-* ``runs/<workload>__<optimizer>__<method>__s<seed>.jsonl``: each run's log (rank 0);
-* ``convergence.json``: a list of rows, one per run: ``workload``, ``optimizer``, ``method``,
-  ``seed``, ``steps``, ``final_loss`` (held-out), ``final_accuracy`` (digits; else null),
-  ``bytes_total`` (bytes this rank handed to collectives over the run, warm-up included),
-  ``dense_bytes_total`` (what dense fp32 allreduces of the same steps hand over),
-  ``compression`` (dense / sent), ``time_to_dense_loss_s`` (training time until the held-out
-  loss first reaches the dense run's final held-out loss, same workload/optimizer/seed, at the
-  evaluation points; null if never), ``train_time_s``, ``median_step_time_s``, ``link``,
-  ``gap_to_dense`` (final_loss / dense final_loss - 1);
-* ``convergence.md``: the table; ``<workload>_<optimizer>_loss_vs_step.png`` and
-  ``..._loss_vs_time.png``.
+* ``runs/<workload>__<optimizer>__<method>__s<seed>.jsonl``: each run's log (rank 0), kept out of
+  git (``.gitignore``); the study regenerates them;
+* ``convergence.json``: one row per run: ``workload``, ``optimizer``, ``method``, ``seed``,
+  ``steps``, ``buckets``, ``engine``, ``evals`` (``[step, time, held-out loss]`` every 2% of the
+  run), ``final_loss``, ``final_accuracy`` (classifiers), ``bytes_total`` (bytes rank 0 handed to
+  collectives over the run, dense start included), ``dense_bytes_total``, ``compression``,
+  ``gap_to_dense`` (final loss / dense's - 1, same workload, optimizer, seed), ``accuracy_gap``;
+* ``convergence.md``: the cells (median over seeds) and every run; ``*_loss_vs_step.png``.
 
-Modes: the full study (charlm-small 2000 steps, the GRU ``proselm`` 600 steps and digits 1000
-steps, both optimizers, every method; each run is skipped if its log is already complete, so an
-interrupted study resumes);
-``--quick``: a 1-layer charlm, 12 steps, a few methods (the smoke test); ``--only`` filters runs
-(``workload/optimizer/method``, ``*`` allowed); ``--aggregate`` only rebuilds the outputs.
+Modes: the full study (every workload x optimizer x {dense, topk, twobit}, seeds ``--seeds``; a
+run whose log is complete is skipped, so an interrupted study resumes); ``--quick`` (charlm-tiny, 12
+steps: the smoke test); ``--only`` filters runs (``workload/optimizer/method``, ``*`` allowed);
+``--aggregate`` only rebuilds the outputs.
 
 Example::
 
-    python -m experiments.convergence --out experiments/results/convergence
+    python -m experiments.convergence --out experiments/results/convergence --jobs 2
     python -m experiments.convergence --out /tmp/conv --quick
 """
 from __future__ import annotations
@@ -63,22 +57,20 @@ import argparse
 import datetime
 import fnmatch
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
-METHODS = ("dense", "fp16", "powersgd", "topk", "twobit", "auto", "topk-noef", "twobit-noef", "topk-naive",
-           "twobit-naive")
+METHODS = ("dense", "fp16", "powersgd", "topk", "twobit", "auto", "topk-noef", "twobit-noef", "topk-plain",
+           "twobit-plain")
 OPTIMIZERS = ("adamw", "sgdm")
 TOPK_DENSITY = 0.01
 IN_PROGRESS_S = 120.0  # a log written to this recently belongs to a run still going elsewhere
-NAIVE_WARMUP_STEPS = 2  # today's default dense steps (DDP's bucket rebuild)
-NAIVE_THRESHOLD_SCALE = 4.0  # today's 2-bit threshold: 4 x the gradient RMS at the last dense step
+#: Held-out evaluations per run: every 2% of the steps.
+EVALS = 50
 #: How the runs bucket their gradients (recorded in every row): DDP's default buckets.
 BUCKETS = "default"
 
@@ -106,35 +98,9 @@ class RunSpec:
 
 
 def _build_workload(name: str, seed: int, eval_windows: int):
-    from experiments import workloads
+    from experiments import suite
 
-    if name == "charlm-small":
-        return workloads.build_workload("charlm", seed=seed, small=True, eval_windows=eval_windows)
-    if name == "charlm-tiny":
-        overrides = {"d_model": 32, "layers": 1, "heads": 2, "context": 16}
-        return workloads.build_workload("charlm", seed=seed, small=True, charlm_overrides=overrides,
-                                        eval_windows=eval_windows)
-    if name == "proselm":
-        return workloads.build_workload("proselm", seed=seed, eval_windows=eval_windows)
-    if name == "digits":
-        return workloads.build_workload("digits", seed=seed)
-    raise ValueError(f"unknown workload {name!r}")
-
-
-def peak_lr(spec: RunSpec) -> float:
-    if spec.optimizer == "adamw":
-        return 1e-3
-    return 0.05 if spec.workload == "digits" else 0.1
-
-
-def lr_at(step: int, peak: float, steps: int) -> float:
-    """Linear warm-up over ``min(20, steps // 10)`` steps, then cosine decay to 10% of the peak
-    at the last step (the schedule of ``train.py``)."""
-    warmup = min(20, steps // 10)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return suite.build(name, seed, eval_windows)
 
 
 class _TorchHookTelemetry:
@@ -157,53 +123,53 @@ class _GradcompTelemetry:
         return {"bytes_sent": int(last["bytes_sent"]), "dense_bytes": int(last["dense_bytes"])}
 
 
-def attach(model, net, spec: RunSpec, lr: float):
-    """Register ``spec.method`` on the DDP ``model``; return ``(optimizer, scheduler, telemetry,
-    on_step_end, compressor)`` (``compressor``: gradcomp's base compressor, or ``None``).
-
-    The optimizer and its LR scheduler are built first, as a user's script has them; gradcomp's
-    recipes are then the one call ``register(model, spec, optimizer=, total_steps=, scheduler=)``,
-    which derives everything else from the run. ``on_step_end(step)`` runs after each optimizer
-    step (the naive 2-bit threshold is chosen there, as ``train.py`` does)."""
-    import torch
-
+def attach(model, net, spec: RunSpec, loop):
+    """Build the workload's optimizer (as its script does) and register ``spec.method`` on the DDP
+    ``model``; returns ``(optimizer, scheduler or None, telemetry)``."""
     import gradcomp
+    from experiments import loop as loops
     from experiments import train
     from gradcomp.hooks import ddp as gradcomp_ddp
 
+    optimizer, scheduler = loops.build_optimizer(loop, model)
     dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
-    if spec.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, lr, spec.steps) / lr)
-
-    def no_step_hook(step):
-        return None
-
     if spec.method in ("dense", "fp16", "powersgd"):
-        args = argparse.Namespace(seed=spec.seed, density=TOPK_DENSITY, threshold="rms", backend=None)
-        telemetry = train.attach_method(model, spec.method, args, dense_bytes)
-        return optimizer, scheduler, _TorchHookTelemetry(telemetry), no_step_hook, None
-
+        args = argparse.Namespace(seed=spec.seed, density=TOPK_DENSITY, threshold="chunk", backend=None)
+        return optimizer, scheduler, _TorchHookTelemetry(train.attach_method(model, spec.method, args, dense_bytes))
     base, _, variant = spec.method.partition("-")
-    if variant == "naive":
-        compressor = gradcomp.TopK(TOPK_DENSITY) if base == "topk" else gradcomp.TwoBit(1.0)
-        state = gradcomp_ddp.register(model, compressor, warmup_steps=NAIVE_WARMUP_STEPS, granularity="bucket")
+    spec_text = "twobit:chunk" if base == "twobit" else f"topk:{TOPK_DENSITY}"
+    if variant == "plain":
+        state = gradcomp_ddp.register(model, spec_text, warmup_steps=2)
+    else:
+        kwargs = {"error_feedback": variant != "noef"}
+        if base == "auto":
+            kwargs["policy"] = gradcomp.Auto()
+        state = gradcomp_ddp.register(model, spec_text, optimizer=optimizer, total_steps=spec.steps,
+                                      scheduler=scheduler, **kwargs)
+    return optimizer, scheduler, _GradcompTelemetry(state)
 
-        def choose_threshold(step):
-            if base == "twobit" and step == NAIVE_WARMUP_STEPS - 1:
-                state.engine.compressor = gradcomp.TwoBit(train.choose_twobit_threshold(net, NAIVE_THRESHOLD_SCALE))
 
-        return optimizer, scheduler, _GradcompTelemetry(state), choose_threshold, compressor
+def _ddp_step(ddp, net, workload, loop, optimizer, scheduler, rank: int, step: int) -> float:
+    """One optimizer step of the workload's loop on a DDP rank (accumulation under ``no_sync``)."""
+    import contextlib
 
-    spec_text = "twobit:rms" if base == "twobit" else f"topk:{TOPK_DENSITY}"
-    kwargs = {"error_feedback": variant != "noef"}
-    if base == "auto":
-        kwargs["policy"] = gradcomp.Auto()
-    state = gradcomp_ddp.register(model, spec_text, optimizer=optimizer, total_steps=spec.steps, scheduler=scheduler,
-                                  **kwargs)
-    return optimizer, scheduler, _GradcompTelemetry(state), no_step_hook, state.engine.compressor
+    from experiments import loop as loops
+
+    if loop.manual_lr:
+        loops.set_lr(loop, optimizer, step)
+    micro, losses = loop.accumulation, []
+    for m in range(micro):
+        x, y = workload.batch(rank, step * micro + m, workload.default_batch_size)
+        with ddp.no_sync() if m < micro - 1 else contextlib.nullcontext():
+            loss = workload.loss(ddp, x, y)
+            (loss / micro).backward()
+        losses.append(float(loss.detach()))
+    loops.before_step(loop, net, optimizer)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return sum(losses) / micro
 
 
 def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str], timeout_s: float) -> None:
@@ -227,12 +193,10 @@ def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str],
         # DDP's default buckets, as a user has them: the engine compresses each parameter of a
         # bucket on its own (its own top-k budget and 2-bit scale).
         model = DistributedDataParallel(net)
-        lr = peak_lr(spec)
-        optimizer, scheduler, telemetry, on_step_end, compressor = attach(model, net, spec, lr)
-        if compressor is not None:  # JIT-compile the kernels outside the timed steps, as train.py does
-            from experiments import train
+        from experiments import loop as loops
 
-            train.warm_up_kernels(compressor, None, torch.device("cpu"))
+        loop = loops.loop_for(spec.workload, spec.optimizer, spec.steps)
+        optimizer, scheduler, telemetry = attach(model, net, spec, loop)
         batch_size = workload.default_batch_size
 
         def emit(record: dict) -> None:
@@ -247,24 +211,18 @@ def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str],
             dist.all_reduce(sums)
             emit({"event": "eval", "step": step, "train_time_s": train_time, **workload.metrics(sums)})
 
-        emit({"event": "config", **asdict(spec), "buckets": BUCKETS, "lr": lr, "world_size": world_size,
-              "batch_size": batch_size,
+        emit({"event": "config", **asdict(spec), "buckets": BUCKETS, "engine": "ddp", "loop": loop.describe(),
+              "world_size": world_size, "batch_size": batch_size,
               "link": os.environ.get("GRADCOMP_LINK", "unshaped"), "torch": torch.__version__,
               "params": sum(p.numel() for p in net.parameters())})  # fmt: skip
         evaluate(-1, 0.0)
         train_time = 0.0
         for step in range(spec.steps):
-            x, y = workload.batch(rank, step, batch_size)
             started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = workload.loss(model, x, y)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
+            loss = _ddp_step(model, net, workload, loop, optimizer, scheduler, rank, step)
             step_time = time.perf_counter() - started
             train_time += step_time
-            on_step_end(step)
-            emit({"event": "step", "step": step, "loss": float(loss.detach()), "step_time_s": step_time,
+            emit({"event": "step", "step": step, "loss": loss, "step_time_s": step_time,
                   "train_time_s": train_time, **telemetry.end_step()})  # fmt: skip
             if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps:
                 evaluate(step, train_time)
@@ -309,180 +267,16 @@ def run_worker(spec: RunSpec, log_path: str, nproc: int, timeout_s: float) -> in
 # ---------------------------------------------------------------------------------------
 
 
-def plan(quick: bool, seeds: List[int]) -> List[RunSpec]:
-    """The study's runs, most informative first (so an interrupted study still answers the
-    main question: recipes against dense, then the ablations, then the other baselines)."""
+def plan(quick: bool, seeds: List[int], methods=("dense", "topk", "twobit")) -> List[RunSpec]:
+    """The study's runs: every workload x optimizer x method, seed by seed (so an interrupted study
+    still has whole seeds)."""
+    from experiments import suite
+
     if quick:
-        methods = ("dense", "topk", "twobit", "topk-naive")
-        return [RunSpec("charlm-tiny", o, m, s, 12, 6, 8) for s in seeds for o in OPTIMIZERS for m in methods]
-    recipes = ("dense", "topk", "twobit")
-    ablations = ("auto", "topk-noef", "twobit-noef", "topk-naive", "twobit-naive")
-    others = ("fp16", "powersgd")
-    runs = []
-    for seed in seeds:
-        runs += [RunSpec("charlm-small", o, m, seed, 2000, 40) for o in ("sgdm", "adamw") for m in recipes]
-    for seed in seeds:  # the held-out architecture and corpus, beside charlm-small
-        runs += [RunSpec("proselm", o, m, seed, 600, 20) for o in ("adamw", "sgdm") for m in recipes]
-    for seed in seeds:  # digits is ~10x cheaper: its whole matrix before charlm's ablations
-        runs += [RunSpec("digits", o, m, seed, 1000, 100) for o in OPTIMIZERS for m in recipes + ablations + others]
-    for seed in seeds:
-        runs += [RunSpec("charlm-small", o, m, seed, 2000, 100) for m in ablations + others for o in OPTIMIZERS]
-    return runs
-
-
-def read_log(path: str) -> List[dict]:
-    records = []
-    if not os.path.exists(path):
-        return records
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # a run cut off mid-line
-    return records
-
-
-def is_complete(path: str) -> bool:
-    return any(r.get("event") == "done" for r in read_log(path))
-
-
-def summarize(spec: RunSpec, path: str) -> Optional[dict]:
-    """One row from a complete log (``None`` if the log is incomplete)."""
-    records = read_log(path)
-    if not any(r.get("event") == "done" for r in records):
-        return None
-    config = next(r for r in records if r.get("event") == "config")
-    steps = [r for r in records if r.get("event") == "step"]
-    evals = [r for r in records if r.get("event") == "eval" and r["step"] >= 0]
-    final = evals[-1]
-    bytes_total = sum(r["bytes_sent"] for r in steps)
-    dense_total = sum(r["dense_bytes"] for r in steps)
-    skip = min(len(steps) // 2, 5)
-    return {
-        **asdict(spec),
-        "buckets": config.get("buckets", BUCKETS),
-        "final_loss": final["eval_loss"],
-        "final_accuracy": final.get("accuracy"),
-        "bytes_total": bytes_total,
-        "dense_bytes_total": dense_total,
-        "compression": dense_total / bytes_total if bytes_total else None,
-        "train_time_s": steps[-1]["train_time_s"],
-        "median_step_time_s": statistics.median(r["step_time_s"] for r in steps[skip:]),
-        "final_train_loss": statistics.fmean(r["loss"] for r in steps[-max(1, min(50, len(steps) // 5)) :]),
-        "link": config.get("link"),
-        "evals": [(r["step"], r["train_time_s"], r["eval_loss"]) for r in evals],
-        "log": os.path.relpath(path),
-    }
-
-
-def add_dense_comparisons(rows: List[dict]) -> None:
-    """``time_to_dense_loss_s`` and ``gap_to_dense`` against the dense run of the same
-    workload, optimizer, seed and steps."""
-    dense = {(r["workload"], r["optimizer"], r["seed"], r["steps"]): r for r in rows if r["method"] == "dense"}
-    for row in rows:
-        reference = dense.get((row["workload"], row["optimizer"], row["seed"], row["steps"]))
-        row["time_to_dense_loss_s"] = None
-        row["gap_to_dense"] = None
-        row["time_vs_dense"] = None
-        if reference is None:
-            continue
-        target = reference["final_loss"]
-        row["gap_to_dense"] = row["final_loss"] / target - 1
-        for _, train_time, loss in row["evals"]:
-            if loss <= target:
-                row["time_to_dense_loss_s"] = train_time
-                break
-        if row["time_to_dense_loss_s"] is not None and reference["train_time_s"]:
-            row["time_vs_dense"] = row["time_to_dense_loss_s"] / reference["train_time_s"]
-
-
-def _fmt(value, pattern="{:.3f}") -> str:
-    return "–" if value is None else pattern.format(value)
-
-
-def markdown(rows: List[dict]) -> str:
-    lines = [
-        "| workload | optimizer | method | seed | steps | final loss | gap to dense | accuracy | compression "
-        "(dense / sent bytes) | time to dense loss (s) | vs dense | median step (s) | link |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['workload']} | {r['optimizer']} | {r['method']} | {r['seed']} | {r['steps']} | "
-            f"{_fmt(r['final_loss'])} | {_fmt(r['gap_to_dense'], '{:+.1%}')} | {_fmt(r['final_accuracy'], '{:.3f}')} | "
-            f"{_fmt(r['compression'], '{:.1f}x')} | {_fmt(r['time_to_dense_loss_s'], '{:.1f}')} | "
-            f"{_fmt(r['time_vs_dense'], '{:.2f}x')} | {_fmt(r['median_step_time_s'], '{:.4f}')} | {r['link']} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: List[dict], out: str) -> List[str]:
-    """Held-out loss vs step and vs training time, one figure per workload x optimizer."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    written = []
-    groups: Dict[tuple, List[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["workload"], row["optimizer"]), []).append(row)
-    for (workload, optimizer), members in sorted(groups.items()):
-        for axis, index, label in (("step", 0, "step"), ("time", 1, "training time at the link (s)")):
-            fig, ax = plt.subplots(figsize=(7, 4.5))
-            for row in sorted(members, key=lambda r: (METHODS.index(r["method"]), r["seed"])):
-                xs = [e[index] for e in row["evals"]]
-                ys = [e[2] for e in row["evals"]]
-                style = "--" if ("noef" in row["method"] or "naive" in row["method"]) else "-"
-                ax.plot(xs, ys, style, label=f"{row['method']} s{row['seed']}", linewidth=1.2)
-            ax.set_xlabel(label)
-            ax.set_ylabel("held-out loss")
-            ax.set_title(f"{workload}, {optimizer}")
-            ax.set_yscale("log")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
-            path = os.path.join(out, f"{workload}_{optimizer}_loss_vs_{axis}.png")
-            fig.tight_layout()
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            written.append(path)
-    return written
-
-
-def aggregate(out: str, specs: List[RunSpec]) -> List[dict]:
-    """Rows from every complete log in ``out/runs`` (those of ``specs`` first); writes the
-    JSON, the table and the plots."""
-    runs_dir = os.path.join(out, "runs")
-    rows = []
-    seen = set()
-    known = {spec.stem: spec for spec in specs}
-    for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
-        if not name.endswith(".jsonl"):
-            continue
-        stem = name[: -len(".jsonl")]
-        spec = known.get(stem)
-        if spec is None:
-            config = next((r for r in read_log(os.path.join(runs_dir, name)) if r.get("event") == "config"), None)
-            if config is None:
-                continue
-            spec = RunSpec(**{k: config[k] for k in RunSpec.__dataclass_fields__})
-        row = summarize(spec, os.path.join(runs_dir, name))
-        if row is not None and stem not in seen:
-            seen.add(stem)
-            rows.append(row)
-    rows.sort(key=lambda r: (r["workload"], r["optimizer"], METHODS.index(r["method"]), r["seed"]))
-    add_dense_comparisons(rows)
-    with open(os.path.join(out, "convergence.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(os.path.join(out, "convergence.md"), "w") as f:
-        f.write("# Convergence study\n\n" + markdown(rows))
-    plot(rows, out)
-    return rows
+        return [RunSpec("charlm-tiny", o, m, s, 12, 6, 8) for s in seeds for o in OPTIMIZERS
+                for m in ("dense", "topk", "twobit", "topk-plain")]
+    return [RunSpec(w, o, m, seed, suite.STEPS[w], max(1, suite.STEPS[w] // EVALS))
+            for seed in seeds for w in suite.NAMES for o in OPTIMIZERS for m in methods]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -490,24 +284,101 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (1-layer charlm, 12 steps)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    parser.add_argument("--methods", default="dense,topk,twobit", help="comma-separated methods of the study")
     parser.add_argument("--only", action="append", default=[], help="run only workload/optimizer/method (glob)")
-    parser.add_argument("--link", default="1gbit", help="link rate for the runs (tc syntax) or 'unshaped'")
+    parser.add_argument("--jobs", type=int, default=2, help="simulated runs at once (one thread each)")
+    parser.add_argument("--link", default="1gbit", help="link of the real-DDP runs (tc syntax) or 'unshaped'")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--aggregate", action="store_true", help="only rebuild the outputs from the logs")
-    parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a RunSpec as JSON: run it here
     parser.add_argument("--log", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def _pending(specs: List[RunSpec], runs_dir: str) -> List[RunSpec]:
+    """The runs whose log is neither complete nor being written by another study."""
+    from experiments.study_report import is_complete
+
+    pending = []
+    for spec in specs:
+        log_path = os.path.join(runs_dir, spec.stem + ".jsonl")
+        if is_complete(log_path):
+            continue
+        if os.path.exists(log_path) and time.time() - os.path.getmtime(log_path) < IN_PROGRESS_S:
+            print(f"{spec.stem}: being written by another run; skipped", flush=True)
+            continue
+        pending.append(spec)
+    return pending
+
+
+def run_simulated(specs: List[RunSpec], runs_dir: str, jobs: int, timeout_s: float) -> int:
+    """Run ``specs`` in the simulation, ``jobs`` processes at once; the number that failed."""
+    from experiments.study_report import is_complete
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    queue, running, failures = list(specs), [], 0
+    while queue or running:
+        while queue and len(running) < jobs:
+            spec = queue.pop(0)
+            log_path = os.path.abspath(os.path.join(runs_dir, spec.stem + ".jsonl"))
+            output = open(os.path.join(runs_dir, spec.stem + ".out"), "w")
+            process = subprocess.Popen([sys.executable, "-m", "experiments.simrun", json.dumps(asdict(spec)), log_path],
+                                       stdout=output, stderr=subprocess.STDOUT, cwd=root, env=env)
+            running.append((spec, process, output, log_path, time.monotonic()))
+        time.sleep(0.5)
+        for entry in list(running):
+            spec, process, output, log_path, started = entry
+            if process.poll() is None and time.monotonic() - started < timeout_s:
+                continue
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            output.close()
+            running.remove(entry)
+            ok = is_complete(log_path)
+            failures += not ok
+            print(f"{spec.stem}: {'ok' if ok else 'FAILED'} (status {process.returncode}) in "
+                  f"{time.monotonic() - started:.0f}s", flush=True)
+    return failures
+
+
+def run_ddp(specs: List[RunSpec], runs_dir: str, args) -> int:
+    """Run ``specs`` as real DDP jobs on the shaped link, one after another; the number that failed."""
+    from experiments import netem
+    from experiments.study_report import is_complete
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    failures = 0
+    with netem.link(args.link) as link:
+        for spec in specs:
+            log_path = os.path.abspath(os.path.join(runs_dir, spec.stem + ".jsonl"))
+            started = time.monotonic()
+            command = [sys.executable, "-m", "experiments.convergence", "--out", args.out, "--worker",
+                       json.dumps(asdict(spec)), "--log", log_path, "--nproc", str(args.nproc),
+                       "--run-timeout", str(args.run_timeout)]  # fmt: skip
+            env = link.env()
+            env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+            with open(os.path.join(runs_dir, spec.stem + ".out"), "w") as output:
+                status = netem.run_bounded(link.command(command), timeout=args.run_timeout + 60, env=env,
+                                           stdout=output, stderr=subprocess.STDOUT, cwd=root)
+            ok = is_complete(log_path)
+            failures += not ok
+            print(f"{spec.stem}: {'ok' if ok else 'FAILED'} (status {status}) in {time.monotonic() - started:.0f}s",
+                  flush=True)
+    return failures
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return run_worker(RunSpec(**json.loads(args.worker)), args.log, args.nproc, args.run_timeout)
-    from experiments import netem
+    from experiments.simrun import SIMULATED_METHODS
+    from experiments.study_report import aggregate, markdown
 
     seeds = [int(s) for s in args.seeds.split(",")]
-    specs = plan(args.quick, seeds)
+    specs = plan(args.quick, seeds, tuple(args.methods.split(",")))
     if args.only:
         specs = [s for s in specs
                  if any(fnmatch.fnmatch(f"{s.workload}/{s.optimizer}/{s.method}", p) for p in args.only)]
@@ -515,33 +386,11 @@ def main(argv=None) -> int:
     os.makedirs(runs_dir, exist_ok=True)
     failures = 0
     if not args.aggregate:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        with netem.link(args.link) as link:
-            for index, spec in enumerate(specs):
-                log_path = os.path.abspath(os.path.join(runs_dir, spec.stem + ".jsonl"))
-                if is_complete(log_path):
-                    continue
-                if os.path.exists(log_path) and time.time() - os.path.getmtime(log_path) < IN_PROGRESS_S:
-                    print(f"[{index + 1}/{len(specs)}] {spec.stem}: being written by another run; skipped", flush=True)
-                    continue
-                started = time.monotonic()
-                command = [sys.executable, "-m", "experiments.convergence", "--out", args.out, "--worker",
-                           json.dumps(asdict(spec)), "--log", log_path, "--nproc", str(args.nproc),
-                           "--run-timeout", str(args.run_timeout)]  # fmt: skip
-                env = link.env()
-                env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-                with open(os.path.join(runs_dir, spec.stem + ".out"), "w") as output:
-                    status = netem.run_bounded(
-                        link.command(command), timeout=args.run_timeout + 60, env=env, stdout=output,
-                        stderr=subprocess.STDOUT, cwd=root,
-                    )  # fmt: skip
-                # A complete log is a finished run even if a rank then died in teardown (the
-                # known intermittent exit-time abort after Numba kernels); the status is shown.
-                ok = is_complete(log_path)
-                failures += not ok
-                print(f"[{index + 1}/{len(specs)}] {spec.stem}: {'ok' if ok else 'FAILED'} (status {status}) "
-                      f"in {time.monotonic() - started:.0f}s", flush=True)  # fmt: skip
-    rows = aggregate(args.out, specs)
+        pending = _pending(specs, runs_dir)
+        failures += run_simulated([s for s in pending if s.method in SIMULATED_METHODS], runs_dir, args.jobs,
+                                  args.run_timeout)
+        failures += run_ddp([s for s in pending if s.method not in SIMULATED_METHODS], runs_dir, args)
+    rows = aggregate(args.out, specs, RunSpec, METHODS.index)
     print(markdown(rows), flush=True)
     return 1 if failures else 0
 

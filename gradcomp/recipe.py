@@ -15,8 +15,8 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   the run (Adam's second moment is estimated there, then frozen; a loop that sets the rate by hand
   hides its warm-up). Compression that starts inside the warm-up stores the large early gradients
   and releases them late.
-* **sparsity ramp** (top-k): densities ``1/16, 1/32, ...`` down to the density asked, as long as the
-  byte budget allows (``min_compression`` x fewer bytes than dense over the whole run, warm-up and
+* **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
+  affords down to the density asked, each stage as long as the byte budget allows (``min_compression`` x fewer bytes than dense over the whole run, warm-up and
   the parameters sent dense included), over at least :data:`RAMP_MIN_FRACTION` and at most
   :data:`RAMP_FRACTION` of the steps after ``D``. A run too short for the budget keeps the ramp and
   says that the budget is missed.
@@ -52,18 +52,20 @@ from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
 __all__ = ["Plan", "plan", "DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION", "PlannedSchedule"]
 
-#: The least share of the run that starts dense. PowerSGD starts compressing after about 10% of the
-#: steps, 1-bit Adam after the warm-up; 5% is what the byte budget leaves for 2-bit (its code costs
-#: 7.8% of dense, so a 5% dense start keeps the 8x budget), and it was enough on all four workloads.
+#: The share of the run that starts dense when the LR warm-up is shorter or unknown, as long as the
+#: byte budget allows it (2-bit's code costs 7.8% of dense, which leaves about 4% of the run for an
+#: 8x budget). PowerSGD starts compressing after about 10% of the steps, 1-bit Adam after the
+#: warm-up; measured on charlm-small (AdamW, 2-bit): a 3% and a 5% dense start ended alike.
 DENSE_FRACTION = 0.05
 #: The share of the steps after the dense start that the sparsity ramp takes: at least the first,
 #: at most the second; between them the byte budget decides (over 2000 steps it asks for 0.49).
 RAMP_MIN_FRACTION = 0.4
 RAMP_FRACTION = 0.75
-#: The byte budget over the whole run: dense bytes / bytes sent, at least (top-k, 2-bit).
-MIN_COMPRESSION = {"topk": 10.0, "twobit": 8.0}
-#: First density of the ramp; each next stage halves it.
-RAMP_START = 1 / 16
+#: The byte budget over the whole run, dense start included: dense bytes / bytes sent, at least.
+MIN_COMPRESSION = {"topk": 8.0, "twobit": 8.0}
+#: First densities the ramp may start at, densest first (the densest the byte budget affords over the
+#: ramp's shortest length is taken); each next stage halves the density.
+RAMP_STARTS = (1 / 4, 1 / 8, 1 / 16)
 #: The recipe's 2-bit code.
 TWOBIT = "chunk"
 
@@ -182,22 +184,33 @@ def bytes_per_element(compressor: Compressor, density: Optional[float], dense: f
 
 
 def _ramp(compressor: TopK, total: int, dense_steps: int, budget: float, dense: float) -> Tuple[Tuple[float, ...], int]:
-    """The ramp's densities and stage length that fit ``budget`` (a share of dense bytes)."""
+    """The densest ramp (of :data:`RAMP_STARTS`) whose stages fit ``budget`` (a share of dense bytes)
+    for at least :data:`RAMP_MIN_FRACTION` of the steps after the dense start; the last start otherwise."""
+    for start in RAMP_STARTS:
+        densities, stage, fits = _ramp_from(start, compressor, total, dense_steps, budget, dense)
+        if fits:
+            break
+    return densities, stage
+
+
+def _ramp_from(start: float, compressor: TopK, total: int, dense_steps: int, budget: float,
+               dense: float) -> Tuple[Tuple[float, ...], int, bool]:
+    """``(densities, stage length, whether the budget affords the shortest ramp)`` from ``start``."""
     final = compressor.density
-    densities, d = [], RAMP_START
+    densities, d = [], start
     while d > final * (1 + 1e-9) and len(densities) < 8:
         densities.append(d)
         d /= 2
     if not densities:
-        return (), 0
+        return (), 0, True
     rest = total - dense_steps
     c_final = bytes_per_element(compressor, final, dense)
     spare = budget * total - dense_steps - rest * c_final  # bytes (in dense steps) the ramp may spend
     extra = sum(bytes_per_element(compressor, d, dense) - c_final for d in densities)
-    stage = int(spare / extra) if spare > 0 else 0
+    affordable = int(spare / extra) if spare > 0 else 0
     shortest, longest = (int(fraction * rest / len(densities)) for fraction in (RAMP_MIN_FRACTION, RAMP_FRACTION))
-    stage = min(max(stage, shortest), longest)
-    return (tuple(densities), stage) if stage >= 1 else ((), 0)
+    stage = min(max(affordable, shortest), longest)
+    return ((tuple(densities), stage) if stage >= 1 else ((), 0)) + (affordable >= shortest,)
 
 
 def _schedule(compressor, total_steps: int, dense_steps: int, budget: float, dense: float):
@@ -209,6 +222,16 @@ def _schedule(compressor, total_steps: int, dense_steps: int, budget: float, den
     rest = total_steps - dense_steps - stage * len(densities)
     sent = dense_steps + ramp_bytes + rest * bytes_per_element(compressor, None, dense)
     return schedule, total_steps / sent
+
+
+def _dense_start(compressor, total_steps: int, scheduler, budget: float, dense: float) -> int:
+    """The dense start: the LR warm-up's end, and :data:`DENSE_FRACTION` of the run as far as the byte
+    budget allows (what is left of it once every later step sends the final setting); 2 at least."""
+    warmup_end = lr_peak_step(scheduler, total_steps) if scheduler is not None else 0
+    final = bytes_per_element(compressor, None, dense)
+    affordable = int(total_steps * (budget - final) / (1 - final)) if final < 1 else 0
+    share = min(math.ceil(DENSE_FRACTION * total_steps), affordable)
+    return min(total_steps, max(2, warmup_end, share))
 
 
 def plan(compressor, optimizer=None, total_steps: Optional[int] = None, scheduler=None,
@@ -244,11 +267,10 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     if family is None:  # casts: no residual, no recipe needed beyond DDP's rebuild
         return Plan(compressor, total_steps, 2, PlannedSchedule(DenseWarmup(2), total_steps, announce), None,
                     "no error feedback (a cast)", notes=("casts need no recipe",))
-    warmup_end = lr_peak_step(scheduler, total_steps) if scheduler is not None else 0
-    dense_steps = min(total_steps, max(2, warmup_end, math.ceil(DENSE_FRACTION * total_steps)))
     budget = min_compression or MIN_COMPRESSION[family]
-    schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget,
-                                   dense_share(named_parameters, min_numel))
+    dense = dense_share(named_parameters, min_numel)
+    dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, dense)
+    schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget, dense)
     notes = []
     if expected * 1.001 < budget:
         notes.append(f"the dense start ({dense_steps} steps) and the ramp of this {total_steps}-step run leave "
