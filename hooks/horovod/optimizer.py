@@ -31,8 +31,8 @@ from gradcomp.hooks.horovod.parameters import (
     unflatten,
 )
 from gradcomp.hooks.horovod.transport import HorovodTransport
-from gradcomp.recipe import plan
-from gradcomp.settings import DEFAULT_MIN_NUMEL, check_gradient_dtypes
+from gradcomp.settings import DEFAULT_MIN_NUMEL
+from gradcomp.setup import prepare
 
 __all__ = ["DistributedOptimizer"]
 
@@ -53,10 +53,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ready_count: Dict[Unit, int] = {u: 0 for u in self._units}
         self._handles: Dict[Unit, Optional[tuple]] = {}  # unit -> exchange in flight (None: waiting)
         self._synchronized, self._should_synchronize = False, True
-        named = [(u.names[i], p) for u in self._units for i, p in enumerate(u.params)]
-        check_gradient_dtypes([(n, p.dtype) for n, p in named], engine.compressor)
-        if named and not engine.compressor.summable:
-            engine.check_backend(named[0][1].device)
         if self.process_set.included():
             # Units never change, so one settings check at construction covers every step.
             engine.check_agreement([(u.numels, u.params[0].dtype) for u in self._units], "construction")
@@ -180,7 +176,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Validate gradcomp's part and the wrapped optimizer's, then load both: a rejected
         checkpoint changes neither. gradcomp's part is validated whole before anything is assigned
         (its assignment cannot fail); the wrapped optimizer's load checks its groups before it
-        changes anything (torch's), and one with ``check_state_dict`` (``CompressedAdamW``) is
+        changes anything (torch's), and one with ``check_state_dict`` is
         checked first as well."""
         state_dict = dict(state_dict)
         compression_state = state_dict.pop("gradcomp", None)
@@ -224,7 +220,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True, backend: Optional[str] = None,
                          schedule=None, transform=None, exchange: str = DEFAULT_EXCHANGE, policy=None,
                          total_steps: Optional[int] = None, scheduler=None,
-                         min_compression: Optional[float] = None):  # fmt: skip
+                         min_compression: Optional[float] = None, granularity: str = "parameter",
+                         grad_scaler=None):  # fmt: skip
     """``hvd.DistributedOptimizer`` that also takes ``TopK`` and ``TwoBit``.
 
     The first ten arguments are Horovod's, with Horovod's meaning; ``compression`` is a gradcomp
@@ -240,8 +237,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     ``total_steps=`` (with ``scheduler=`` and ``min_compression=`` optional) applies the one-call
     recipe of :mod:`gradcomp.recipe` to the wrapped ``optimizer``, exactly as
-    ``gradcomp.register`` does on DDP: the schedule and the optimizer stage are derived from the
-    run (``.recipe`` on the returned optimizer says what was chosen).
+    ``gradcomp.register`` does on DDP: the same set-up (:func:`gradcomp.setup.prepare`), the same
+    rules and checks, the same parameter names (wrapper prefixes removed); ``.recipe`` on the
+    returned optimizer says what was chosen. ``granularity`` and ``grad_scaler`` are the engine's.
 
     Example::
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -249,33 +247,37 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         ...                            compression=gradcomp.TopK(0.01), warmup_steps=5)
     """
     compressor = as_compressor(compression)
-    recipe = None
-    if total_steps is not None:
-        if compressor is None or compressor.summable:
-            raise ValueError("the recipe (total_steps=) is for top-k and 2-bit compressors; "
-                             f"{compression!r} needs none")
-        if schedule is not None or transform is not None or warmup_steps is not None:
-            raise ValueError("the recipe (total_steps=) derives the schedule and the optimizer stage itself; pass "
-                             "either total_steps= or your own warmup_steps/schedule/transform")
-        named_parameters = list(named_parameters) if named_parameters is not None else None
-        recipe = plan(compressor, optimizer, total_steps, scheduler, named_parameters or (), min_numel,
-                      min_compression, step_hook=False)
-        compressor, schedule, transform = recipe.compressor, recipe.schedule, recipe.transform
     groups = check_horovod_arguments(num_groups, groups, backward_passes_per_step, op, gradient_predivide_factor)
     engine_settings = dict(warmup_steps=warmup_steps, min_numel=min_numel, error_feedback=error_feedback,
-                           backend=backend, schedule=schedule, transform=transform, exchange=exchange, policy=policy)
+                           backend=backend, schedule=schedule, transform=transform, exchange=exchange, policy=policy,
+                           granularity=granularity, grad_scaler=grad_scaler)
     if compressor is None or (op not in (Average, Sum) and compressor.summable):
+        if total_steps is not None:
+            raise ValueError(f"the recipe (total_steps=) is for gradcomp's compressors; {compression!r} needs none")
         _warn_unused(engine_settings)
         horovod_compression = compression if compressor is None else Compression.wrap(compressor)
         return hvd.DistributedOptimizer(optimizer, named_parameters, horovod_compression, backward_passes_per_step,
                                         op, gradient_predivide_factor, 0, groups, sparse_as_dense, process_set)
     _check_drop_in_arguments(compressor, op, named_parameters, error_feedback)
-    engine = Engine(compressor, HorovodTransport(process_set, op, gradient_predivide_factor), **engine_settings)
+    named = list(names_of(optimizer.param_groups, named_parameters).items())
+    setup = prepare(compressor, [(name, p) for p, name in named], optimizer=optimizer if total_steps is not None else None,
+                    total_steps=total_steps, scheduler=scheduler, min_compression=min_compression, stage_hook=False,
+                    announce=_first_rank(process_set), **engine_settings)
+    engine = Engine(setup.compressor, HorovodTransport(process_set, op, gradient_predivide_factor), **setup.settings)
     engine.agreement_steps = ()  # checked once at construction instead
-    distributed = _drop_in(optimizer, named_parameters, engine, backward_passes_per_step, op, groups, sparse_as_dense,
+    distributed = _drop_in(optimizer, setup.named, engine, backward_passes_per_step, op, groups, sparse_as_dense,
                            process_set)
-    distributed.recipe = recipe
+    distributed.recipe = setup.recipe
     return distributed
+
+
+def _first_rank(process_set) -> bool:
+    """Whether this process speaks for the process set (its rank 0); before ``hvd.init()`` (argument
+    checks in one process) it does."""
+    try:
+        return process_set.included() and process_set.rank() == 0
+    except ValueError:
+        return True
 
 
 def _drop_in(optimizer, named_parameters, engine: Engine, *args) -> torch.optim.Optimizer:
@@ -310,7 +312,8 @@ def _check_drop_in_arguments(compressor, op, named_parameters, error_feedback: b
 def _warn_unused(engine_settings: dict) -> None:
     """Warn about the engine's settings that differ from their defaults when Horovod's own optimizer runs."""
     defaults = dict(warmup_steps=None, min_numel=DEFAULT_MIN_NUMEL, error_feedback=True, backend=None,
-                    schedule=None, transform=None, exchange=DEFAULT_EXCHANGE, policy=None)
+                    schedule=None, transform=None, exchange=DEFAULT_EXCHANGE, policy=None, granularity="parameter",
+                    grad_scaler=None)
     changed = sorted(k for k, v in engine_settings.items() if v is not defaults[k] and v != defaults[k])
     if changed:
         warnings.warn(f"gradcomp: {changed} have no effect when hvd.DistributedOptimizer does the exchange")
