@@ -1,0 +1,36 @@
+"""Decisions a user must see reach a script that configures no logging, on one rank, once, and stay
+quiet where the user silenced them (``warnings.simplefilter("ignore", gradcomp.RecipeNotice)``)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from multiprocess import free_port
+
+WORKER = os.path.join(os.path.dirname(__file__), "notice_worker.py")
+
+
+def run_ranks(*extra):
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, str(rank), "2", str(port), *extra], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    errors = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], errors
+    return errors
+
+
+@pytest.mark.multiprocess
+def test_the_recipes_decisions_reach_stderr_on_rank_0_only():
+    rank0, rank1 = run_ranks()
+    assert rank0.count("RecipeNotice: gradcomp: recipe: TwoBit(threshold='chunk')") == 1  # the summary
+    assert rank0.count("runs as TwoBit('chunk')") == 1  # the substituted code
+    assert rank0.count("past the total_steps=3") == 1  # a run longer than its plan, said once
+    assert "notice_worker.py" in rank0.split("RecipeNotice")[0].splitlines()[-1]  # attributed to the user's line
+    assert "RecipeNotice" not in rank1
+
+
+@pytest.mark.multiprocess
+def test_a_user_silences_them_like_any_warning():
+    rank0, rank1 = run_ranks("silence")
+    assert "RecipeNotice" not in rank0 + rank1
