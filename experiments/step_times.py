@@ -1,0 +1,206 @@
+"""Step times of every method on every link, from one launch of the ranks, in interleaved rounds.
+
+One launch of 2 ranks (DDP over Gloo, one thread each, a full-duplex emulated link: one network
+namespace per rank, ``netem.link(mode="duplex")``) holds one DDP replica per method, all from the
+same weights: ``noop`` (no communication: the compute floor), ``dense``, torch's ``fp16`` and
+``powersgd`` hooks, and gradcomp's ``topk``/``twobit`` recipes and ``auto`` at their final setting
+(each replica is first trained through its dense start and ramp). Then, for ``--rounds`` rounds,
+for each link of ``--links`` (the link changes between them by ``tc qdisc replace`` on both ends
+of both ranks' links, no process restarts), for each method: ``--settle`` untimed steps, then
+``--steps`` timed steps. A method's time on a link is the median over rounds of the per-round
+median step time; its ``spread`` is the range of those round medians over their median. The load
+average before the run (``$QUIET_LOAD_BEFORE``, set by ``../shared/tools/quiet``) is recorded.
+
+Output (``--out``): ``step_times.json``, a list of rows ``{workload, optimizer, method, link,
+step_time, spread, rounds: [...], load_before, dense_step_over_compute (dense rows)}`` and a table.
+Run it alone on the machine::
+
+    ../shared/tools/quiet python -m experiments.step_times --workload charlm-small --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+__all__ = ["main", "summarize"]
+
+METHODS = ("noop", "dense", "fp16", "powersgd", "topk", "twobit", "auto")
+LINKS = ("unshaped", "10gbit", "1gbit", "100mbit", "10mbit")
+SPECS = {"topk": "topk:0.01", "twobit": "twobit:chunk", "auto": "topk:0.01"}
+#: Steps the recipes run before timing: through their dense start and ramp, to the final setting.
+PLANNED_STEPS = 40
+
+
+def _set_link(rate: str) -> None:
+    """Every end of the duplex link to ``rate`` (``unshaped``: no qdisc), from rank 0's process."""
+    from experiments import netem
+
+    names = os.environ["GRADCOMP_NETNS_RANKS"].split(",")
+    hub = names[0].rsplit("-r", 1)[0] + "-hub"
+    ends = [(name, netem.DUPLEX_IFNAME) for name in names] + [(hub, f"h{r}") for r in range(len(names))]
+    for namespace, device in ends:
+        base = ["ip", "netns", "exec", namespace, "tc", "qdisc"]
+        if rate == "unshaped":
+            subprocess.run(base + ["del", "dev", device, "root"], capture_output=True, timeout=20)
+        else:
+            subprocess.run(base + ["replace", "dev", device, "root", "tbf", "rate", rate, "burst", netem.TBF_BURST,
+                                   "latency", netem.TBF_LATENCY], check=True, capture_output=True, timeout=20)
+
+
+def _replica(method: str, net, workload, loop, args):
+    """``(ddp model, optimizer, scheduler)`` of ``method`` on a copy of ``net``."""
+    import copy
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradcomp
+    from experiments import loop as loops
+    from experiments import train
+
+    model = copy.deepcopy(net)
+    ddp = DistributedDataParallel(model)
+    optimizer, scheduler = loops.build_optimizer(loop, model)
+    dense_bytes = sum(p.numel() * 4 for p in model.parameters())
+    if method in ("noop", "dense", "fp16", "powersgd"):
+        train.attach_method(ddp, method, argparse.Namespace(seed=0, backend=None), dense_bytes)
+    else:
+        kwargs = {"policy": gradcomp.Auto()} if method == "auto" else {}
+        gradcomp.register(ddp, SPECS[method], optimizer=optimizer, total_steps=PLANNED_STEPS, scheduler=scheduler,
+                          **kwargs)
+    torch.manual_seed(0)
+    return ddp, model, optimizer, scheduler
+
+
+def _step(replica, workload, loop, rank: int, step: int) -> float:
+    """One timed optimizer step of a replica; seconds."""
+    from experiments.convergence import _ddp_step
+
+    ddp, model, optimizer, scheduler = replica
+    started = time.perf_counter()
+    _ddp_step(ddp, model, workload, loop, optimizer, scheduler, rank, step)
+    return time.perf_counter() - started
+
+
+def run_rank(rank: int, world_size: int, args) -> None:
+    """Rank ``rank`` of the benchmark (the process group from ``MASTER_ADDR``/``MASTER_PORT``)."""
+    import datetime
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from experiments import loop as loops
+    from experiments import suite
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=1800))
+    workload = suite.build(args.workload, 0, 32)
+    loop = loops.loop_for(args.workload, args.optimizer, PLANNED_STEPS)
+    net = workload.build_model()
+    methods = args.methods.split(",")
+    replicas = {m: _replica(m, net, workload, loop, args) for m in methods}
+    counter = {m: 0 for m in methods}
+    if rank == 0:
+        _set_link("unshaped")
+    dist.barrier()
+    for method in methods:  # through the dense start and the ramp, to the final setting
+        for _ in range(PLANNED_STEPS):
+            _step(replicas[method], workload, loop, rank, counter[method])
+            counter[method] += 1
+    times: Dict[tuple, List[float]] = {}
+    for round_index in range(args.rounds):
+        for rate in args.links.split(","):
+            if rank == 0:
+                _set_link(rate)
+            dist.barrier()
+            for method in methods:
+                for _ in range(args.settle):
+                    _step(replicas[method], workload, loop, rank, counter[method])
+                    counter[method] += 1
+                measured = []
+                for _ in range(args.steps):
+                    measured.append(_step(replicas[method], workload, loop, rank, counter[method]))
+                    counter[method] += 1
+                times.setdefault((method, rate), []).append(statistics.median(measured))
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, {f"{m}|{r}": v for (m, r), v in times.items()})
+    if rank == 0:
+        with open(os.path.join(args.out, "rounds.json"), "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarize(gathered: List[dict], args, load_before) -> List[dict]:
+    """Rows: per method and link, the median over rounds of the slower rank's round medians."""
+    rows = []
+    for key in gathered[0]:
+        method, link = key.split("|")
+        rounds = [max(per_rank[key][i] for per_rank in gathered) for i in range(len(gathered[0][key]))]
+        median = statistics.median(rounds)
+        rows.append({"workload": args.workload, "optimizer": args.optimizer, "method": method, "link": link,
+                     "step_time": median, "spread": (max(rounds) - min(rounds)) / median, "rounds": rounds,
+                     "steps_per_round": args.steps, "load_before": load_before})
+    floor = {r["link"]: r["step_time"] for r in rows if r["method"] == "noop"}
+    for row in rows:
+        if row["method"] == "dense" and row["link"] in floor:
+            row["dense_step_over_compute"] = row["step_time"] / floor[row["link"]]
+    return rows
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="charlm-small")
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--links", default=",".join(LINKS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per method, link and round")
+    parser.add_argument("--settle", type=int, default=2, help="untimed steps after each link change")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.rank is not None:
+        run_rank(args.rank, 2, args)
+        return 0
+    from experiments import netem, train
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with netem.link("10gbit", mode="duplex", ranks=2) as link:
+        if not link.shaped:
+            print("step_times: no emulated link (needs root); nothing measured", file=sys.stderr)
+            return 1
+        env = link.env()
+        env.update(PYTHONPATH=root, MASTER_PORT=str(train.free_port()), OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+        argv = [sys.executable, "-m", "experiments.step_times", *(argv if argv is not None else sys.argv[1:])]
+        procs = [subprocess.Popen(link.rank_command(r, argv + ["--rank", str(r)]), env=env, cwd=root)
+                 for r in range(2)]
+        codes = [p.wait(timeout=args.timeout) for p in procs]
+    if codes != [0, 0]:
+        print(f"step_times: ranks exited with {codes}", file=sys.stderr)
+        return 1
+    with open(os.path.join(args.out, "rounds.json")) as f:
+        rows = summarize(json.load(f), args, os.environ.get("QUIET_LOAD_BEFORE"))
+    with open(os.path.join(args.out, f"step_times_{args.workload}_{args.optimizer}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    for row in sorted(rows, key=lambda r: (LINKS.index(r["link"]) if r["link"] in LINKS else 9, r["method"])):
+        print(f"{row['link']:>9} {row['method']:>9} {row['step_time'] * 1000:9.1f} ms  spread {row['spread']:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Time to dense's quality on each link: the convergence study's steps x the quiet step times.
+
+For each workload x optimizer x method of the convergence study (``convergence.json``) and each
+link of the step-time benchmark (``step_times_*.json``, :mod:`experiments.step_times`):
+
+* the **target** is dense's final held-out loss x 1.02 (the same for every method of the cell);
+* ``steps_to_target``: the first evaluation at which the method's held-out loss reaches it (evals
+  every 2% of the run; ``null``: never);
+* ``time_ratio_vs_dense``: ``steps_to_target x step_time`` over dense's time to its own final loss
+  (its first evaluation at that loss x dense's step time on the link).
+
+Output in ``--out``: ``time_to_accuracy.json``, one row per workload x optimizer x method x link
+with ``workload, optimizer, method, link, steps_to_target, step_time, spread, load_before,
+time_ratio_vs_dense`` and, on dense's rows, ``dense_step_over_compute``; ``time_to_accuracy.md``;
+and per workload x optimizer a plot of held-out loss against time, one panel per link, one line
+per method. The step times of a workload come from its own benchmark file when there is one.
+
+Example::
+
+    python -m experiments.time_to_accuracy --convergence experiments/results/convergence \\
+        --step-times experiments/results/step_times --out experiments/results/time_to_accuracy
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from typing import Dict, List, Optional
+
+__all__ = ["rows_for", "main"]
+
+TARGET_FACTOR = 1.02
+
+
+def _steps_to(evals: List[list], target: float) -> Optional[int]:
+    """Optimizer steps until the held-out loss first reaches ``target`` (``evals``: [step, time, loss])."""
+    for step, _, loss in evals:
+        if step >= 0 and loss <= target:
+            return step + 1
+    return None
+
+
+def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
+    """The rows of the module docstring (seed 0 of each cell, the study's first seed)."""
+    times = {(r["workload"], r["optimizer"], r["method"], r["link"]): r for r in step_times}
+    links = sorted({r["link"] for r in step_times})
+    runs = {(r["workload"], r["optimizer"], r["method"]): r for r in convergence if r["seed"] == min(
+        c["seed"] for c in convergence if c["workload"] == r["workload"])}
+    rows = []
+    for (workload, optimizer, method), run in sorted(runs.items()):
+        dense = runs.get((workload, optimizer, "dense"))
+        if dense is None:
+            continue
+        target = dense["final_loss"] * TARGET_FACTOR
+        dense_steps = _steps_to(dense["evals"], dense["final_loss"])
+        steps = _steps_to(run["evals"], target)
+        for link in links:
+            timed = _timing(times, workload, optimizer, method, link)
+            dense_timed = _timing(times, workload, optimizer, "dense", link)
+            if timed is None or dense_timed is None:
+                continue
+            ratio = None
+            if steps is not None and dense_steps:
+                ratio = steps * timed["step_time"] / (dense_steps * dense_timed["step_time"])
+            row = {"workload": workload, "optimizer": optimizer, "method": method, "link": link,
+                   "target_loss": target, "steps_to_target": steps, "step_time": timed["step_time"],
+                   "spread": timed["spread"], "load_before": timed.get("load_before"),
+                   "step_times_of": timed["workload"], "time_ratio_vs_dense": ratio}
+            if method == "dense":
+                row["dense_step_over_compute"] = timed.get("dense_step_over_compute")
+            rows.append(row)
+    return rows
+
+
+def _timing(times: Dict[tuple, dict], workload: str, optimizer: str, method: str, link: str) -> Optional[dict]:
+    """The benchmark row of this workload, else of the same workload under the other optimizer."""
+    for opt in (optimizer, "adamw", "sgdm"):
+        found = times.get((workload, opt, method, link))
+        if found is not None:
+            return found
+    return None
+
+
+def markdown(rows: List[dict]) -> str:
+    lines = ["| workload | optimizer | link | method | steps to target | step (ms) | spread | time vs dense | "
+             "dense step / compute |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "never" if r["time_ratio_vs_dense"] is None else f"{r['time_ratio_vs_dense']:.2f}x"
+        over = r.get("dense_step_over_compute")
+        lines.append(f"| {r['workload']} | {r['optimizer']} | {r['link']} | {r['method']} | "
+                     f"{r['steps_to_target'] if r['steps_to_target'] is not None else 'never'} | "
+                     f"{r['step_time'] * 1000:.1f} | {r['spread']:.1%} | {ratio} | "
+                     f"{'' if over is None else f'{over:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: List[dict], convergence: List[dict], out: str) -> List[str]:
+    """Held-out loss against time per link (panels), one line per method, per workload x optimizer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    cells = sorted({(r["workload"], r["optimizer"]) for r in rows})
+    for workload, optimizer in cells:
+        members = [r for r in rows if (r["workload"], r["optimizer"]) == (workload, optimizer)]
+        links = sorted({r["link"] for r in members})
+        fig, axes = plt.subplots(1, len(links), figsize=(4 * len(links), 3.6), squeeze=False)
+        for ax, link in zip(axes[0], links):
+            for row in (r for r in members if r["link"] == link):
+                run = next(c for c in convergence if (c["workload"], c["optimizer"], c["method"]) ==
+                           (workload, optimizer, row["method"]))
+                evals = [e for e in run["evals"] if e[0] >= 0]
+                ax.plot([(e[0] + 1) * row["step_time"] for e in evals], [e[2] for e in evals], label=row["method"])
+            ax.axhline(members[0]["target_loss"], color="grey", linewidth=0.8, linestyle=":")
+            ax.set_title(link)
+            ax.set_xlabel("seconds")
+            ax.set_yscale("log")
+        axes[0][0].set_ylabel("held-out loss")
+        axes[0][-1].legend(fontsize=7)
+        fig.suptitle(f"{workload}, {optimizer}")
+        fig.tight_layout()
+        path = os.path.join(out, f"{workload}_{optimizer}_loss_vs_time.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--convergence", required=True, help="the convergence study's directory")
+    parser.add_argument("--step-times", required=True, help="directory of step_times_*.json")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    with open(os.path.join(args.convergence, "convergence.json")) as f:
+        convergence = json.load(f)
+    step_times = []
+    for path in sorted(glob.glob(os.path.join(args.step_times, "step_times_*.json"))):
+        with open(path) as f:
+            step_times.extend(json.load(f))
+    rows = rows_for(convergence, step_times)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "time_to_accuracy.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, "time_to_accuracy.md"), "w") as f:
+        f.write("# Time to dense's quality\n\n" + markdown(rows))
+    plot(rows, convergence, args.out)
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
