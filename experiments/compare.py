@@ -25,7 +25,17 @@ inside the compression hook on the training thread; ``comm_s = step - compute - 
 
 Modes:
 
-``--quick`` (default; ~12 minutes on 2 quiet cores)
+``--quick`` (default; under 10 minutes on 2 idle cores): time to dense's quality on charlm-small
+    (the 0.4M-parameter transformer, AdamW) on four links, in three parts written under ``--out``:
+
+    * ``convergence/``: 200 steps of dense, gradcomp's ``topk`` and ``twobit`` recipes (the
+      in-process simulation of the 2 ranks, :mod:`experiments.simrun`) and torch's PowerSGD hook
+      (real DDP): held-out loss every 2% of the run (:mod:`experiments.convergence`);
+    * ``step_times/``: every method's step time on the unshaped loopback, 1 Gbit/s, 100 Mbit/s and
+      10 Mbit/s from one launch of the ranks in interleaved rounds (:mod:`experiments.step_times`);
+    * ``time_to_accuracy/``: steps to dense's final loss x 1.02 times the step time, over dense's
+      time (:mod:`experiments.time_to_accuracy`); the table is printed at the end.
+``--matrix`` (~12 minutes): the older matrix of separate runs per method and link
     * ``charlm``: the default 10.8M-parameter transformer, 15 steps, every baseline and
       gradcomp method on every link: the step-time comparison;
     * ``charlm-small``: the 0.4M-parameter preset, 200 steps, first link only, plus the
@@ -95,7 +105,7 @@ def plans_for(mode: str) -> Dict[str, WorkloadPlan]:
             "charlm-tiny": WorkloadPlan("charlm-tiny", tiny_lm, 4, ("noop", "dense", "topk"), eval_every=2),
             "digits": WorkloadPlan("digits", ["--workload", "digits"], 4, ("noop", "dense", "topk"), eval_every=2),
         }
-    long = mode == "full"
+    long = mode == "full"  # "matrix": the short runs
     return {
         "charlm": WorkloadPlan(
             "charlm", ["--workload", "charlm"], 300 if long else 15,
@@ -135,7 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="duplex (default): a namespace per rank, each direction shaped at the rate; shared: "
                              "one shaped loopback whose rate all ranks' traffic shares")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_const", dest="mode", const="quick", help="the default; ~12 minutes")
+    mode.add_argument("--quick", action="store_const", dest="mode", const="quick",
+                      help="the default: time to accuracy on charlm-small, four links; < 10 minutes idle")
+    mode.add_argument("--matrix", action="store_const", dest="mode", const="matrix", help="~12 minutes")
     mode.add_argument("--full", action="store_const", dest="mode", const="full", help="longer runs; hours")
     mode.add_argument("--tiny", action="store_const", dest="mode", const="tiny", help="a smoke test; ~1 minute")
     parser.add_argument("--out", default="results", help="output directory (default results/)")
@@ -157,6 +169,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     args.mode = args.mode or "quick"
+    if args.mode == "quick":
+        return args
     plans = plans_for(args.mode)
     if args.workloads:
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -395,8 +409,38 @@ def write_results(out: str, records: List[dict], meta: dict) -> str:
     return table
 
 
+#: The quick mode's convergence runs (charlm-small, AdamW) and links.
+QUICK_STEPS = 200
+QUICK_LINKS = ("unshaped", "1gbit", "100mbit", "10mbit")
+
+
+def quick(args) -> int:
+    """The default mode: time to dense's quality on charlm-small (see the module docstring)."""
+    out = os.path.abspath(args.out)
+    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    steps = [
+        ["experiments.convergence", "--out", os.path.join(out, "convergence"), "--workloads", "charlm-small",
+         "--optimizers", "adamw", "--steps", str(args.steps or QUICK_STEPS), "--methods", "dense,topk,twobit,powersgd",
+         "--link", "unshaped"],
+        ["experiments.step_times", "--workload", "charlm-small", "--optimizer", "adamw", "--links",
+         args.links or ",".join(QUICK_LINKS), "--rounds", "3", "--steps", "5",
+         "--out", os.path.join(out, "step_times")],
+        ["experiments.time_to_accuracy", "--convergence", os.path.join(out, "convergence"), "--step-times",
+         os.path.join(out, "step_times"), "--out", os.path.join(out, "time_to_accuracy")],
+    ]
+    for argv in steps:
+        print(f"compare: python -m {' '.join(argv)}", flush=True)
+        status = subprocess.call([sys.executable, "-m", *argv], cwd=PACKAGE_ROOT, env=env)
+        if status != 0:
+            print(f"compare: {argv[0]} failed with status {status}", file=sys.stderr)
+            return status
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.mode == "quick":
+        return quick(args)
     resolve_links(args)
     runs = plan_runs(args)
     if not runs:

@@ -267,16 +267,17 @@ def run_worker(spec: RunSpec, log_path: str, nproc: int, timeout_s: float) -> in
 # ---------------------------------------------------------------------------------------
 
 
-def plan(quick: bool, seeds: List[int], methods=("dense", "topk", "twobit")) -> List[RunSpec]:
+def plan(quick: bool, seeds: List[int], methods=("dense", "topk", "twobit"), workloads=None, steps=None,
+         optimizers=OPTIMIZERS) -> List[RunSpec]:
     """The study's runs: every workload x optimizer x method, seed by seed (so an interrupted study
-    still has whole seeds)."""
+    still has whole seeds); ``steps`` overrides the workloads' run lengths."""
     from experiments import suite
 
     if quick:
         return [RunSpec("charlm-tiny", o, m, s, 12, 6, 8) for s in seeds for o in OPTIMIZERS
                 for m in ("dense", "topk", "twobit", "topk-plain")]
-    return [RunSpec(w, o, m, seed, suite.STEPS[w], max(1, suite.STEPS[w] // EVALS))
-            for seed in seeds for w in suite.NAMES for o in OPTIMIZERS for m in methods]
+    return [RunSpec(w, o, m, seed, steps or suite.STEPS[w], max(1, (steps or suite.STEPS[w]) // EVALS))
+            for seed in seeds for w in (workloads or suite.NAMES) for o in optimizers for m in methods]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -285,6 +286,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a short smoke run (1-layer charlm, 12 steps)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     parser.add_argument("--methods", default="dense,topk,twobit", help="comma-separated methods of the study")
+    parser.add_argument("--workloads", help="comma-separated workloads (default: every one of experiments.suite)")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--steps", type=int, help="steps of every run (default: each workload's own)")
     parser.add_argument("--only", action="append", default=[], help="run only workload/optimizer/method (glob)")
     parser.add_argument("--jobs", type=int, default=2, help="simulated runs at once (one thread each)")
     parser.add_argument("--link", default="1gbit", help="link of the real-DDP runs (tc syntax) or 'unshaped'")
@@ -378,7 +382,8 @@ def main(argv=None) -> int:
     from experiments.study_report import aggregate, markdown
 
     seeds = [int(s) for s in args.seeds.split(",")]
-    specs = plan(args.quick, seeds, tuple(args.methods.split(",")))
+    specs = plan(args.quick, seeds, tuple(args.methods.split(",")),
+                 args.workloads.split(",") if args.workloads else None, args.steps, tuple(args.optimizers.split(",")))
     if args.only:
         specs = [s for s in specs
                  if any(fnmatch.fnmatch(f"{s.workload}/{s.optimizer}/{s.method}", p) for p in args.only)]

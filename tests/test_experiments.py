@@ -203,7 +203,7 @@ def test_catalog_orders_every_method_once():
 
 
 def test_plan_runs_puts_noop_first_and_noef_on_the_first_link_only():
-    args = compare.parse_args(["--quick", "--links", "unshaped,1gbit"])
+    args = compare.parse_args(["--matrix", "--links", "unshaped,1gbit"])
     runs = compare.plan_runs(args)
     keys = [(r.plan.name, r.link_name, r.method) for r in runs]
     assert len(keys) == len(set(keys))
