@@ -149,13 +149,15 @@ TWO_PHASE_CASES = [
     (1, "twobit:rms", "negative_scale"),
     (2, "topk:0.05", "out_of_range"),
     (2, "twobit:rms", "negative_scale"),
+    (1, "twobit:chunk", "negative_scale"),
 ]
 TWO_PHASE_KEYS, TWO_PHASE_NUMELS = ("layer.weight", "layer.bias"), (700, 333)
 
 
 def _corrupt_any(payload, corruption):
-    if corruption == "negative_scale":  # a 2-bit payload of the "rms" mode ships its threshold
-        payload["scale"].fill_(-1.0)
+    if corruption == "negative_scale":  # a 2-bit payload of the "rms" and "chunk" modes ships its levels
+        names = [segment.name for segment in payload.layout.segments]
+        payload["scale" if "scale" in names else "scales"].fill_(-1.0)
     else:
         corrupt(payload, corruption)
 

@@ -40,7 +40,8 @@ def topk_payload(n=100, ratio=0.1, dtype=torch.float32, seed=0):
 # -- honest payloads pass ------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "compressor", [gradcomp.TopK(0.1), gradcomp.TopK(1.0), gradcomp.TwoBit(0.5), gradcomp.FP16(), gradcomp.Identity()]
+    "compressor", [gradcomp.TopK(0.1), gradcomp.TopK(1.0), gradcomp.TwoBit(0.5), gradcomp.TwoBit("chunk"),
+                   gradcomp.FP16(), gradcomp.Identity()], ids=repr
 )
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
 def test_every_payload_a_compressor_produces_is_valid(compressor, dtype, n):
