@@ -13,8 +13,9 @@ from mechanisms that hold whatever the model, each measured on four workloads of
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
   of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
   the run (Adam's second moment is estimated there, then frozen; a loop that sets the rate by hand
-  hides its warm-up). Compression that starts inside the warm-up stores the large early gradients
-  and releases them late.
+  hides its warm-up), as far as the byte budget allows: compression that starts inside the warm-up
+  stores the large early gradients and releases them late, but the budget is the user's promise,
+  so a warm-up too long for it is cut short, with a notice.
 * **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
   affords down to the density asked, each stage as long as the byte budget allows (``min_compression`` x fewer bytes than dense over the whole run, warm-up and
   the parameters sent dense included), over at least :data:`RAMP_MIN_FRACTION` and at most
@@ -224,14 +225,19 @@ def _schedule(compressor, total_steps: int, dense_steps: int, budget: float, den
     return schedule, total_steps / sent
 
 
-def _dense_start(compressor, total_steps: int, scheduler, budget: float, dense: float) -> int:
-    """The dense start: the LR warm-up's end, and :data:`DENSE_FRACTION` of the run as far as the byte
-    budget allows (what is left of it once every later step sends the final setting); 2 at least."""
+def _dense_start(compressor, total_steps: int, scheduler, budget: float, dense: float,
+                 notes: list) -> int:
+    """The dense start: the LR warm-up's end and at least :data:`DENSE_FRACTION` of the run, as far as
+    the byte budget allows (what is left of it once every later step sends the final setting); 2 at
+    least. A warm-up longer than the budget allows is noted: compression then starts inside it."""
     warmup_end = lr_peak_step(scheduler, total_steps) if scheduler is not None else 0
     final = bytes_per_element(compressor, None, dense)
     affordable = int(total_steps * (budget - final) / (1 - final)) if final < 1 else 0
-    share = min(math.ceil(DENSE_FRACTION * total_steps), affordable)
-    return min(total_steps, max(2, warmup_end, share))
+    wanted = max(warmup_end, math.ceil(DENSE_FRACTION * total_steps))
+    if warmup_end > affordable:
+        notes.append(f"the LR warm-up ends at step {warmup_end}, but the byte budget affords {max(2, affordable)} "
+                     "dense steps: compression starts inside the warm-up")
+    return min(total_steps, max(2, min(wanted, affordable)))
 
 
 def plan(compressor, optimizer=None, total_steps: Optional[int] = None, scheduler=None,
@@ -269,9 +275,9 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
                     "no error feedback (a cast)", notes=("casts need no recipe",))
     budget = min_compression or MIN_COMPRESSION[family]
     dense = dense_share(named_parameters, min_numel)
-    dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, dense)
-    schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget, dense)
     notes = []
+    dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, dense, notes)
+    schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget, dense)
     if expected * 1.001 < budget:
         notes.append(f"the dense start ({dense_steps} steps) and the ramp of this {total_steps}-step run leave "
                      f"{expected:.1f}x fewer bytes, under the {budget:.0f}x asked")

@@ -104,13 +104,17 @@ def test_top_k_ramp_scales_with_the_run_and_keeps_the_byte_budget(total, density
     assert chosen.expected_compression == pytest.approx(total / sent, rel=1e-6)
 
 
-def test_a_budget_the_dense_start_cannot_keep_is_said():
+def test_a_warm_up_longer_than_the_budget_affords_is_cut_short_and_said():
+    """The byte budget is the user's promise: a 300-step warm-up of a 1000-step run would leave 3.1x
+    fewer bytes with 2-bit, so compression starts at the 50 dense steps the 8x budget affords."""
     named = named_mlp()
     optimizer = torch.optim.SGD([p for _, p in named], lr=0.1)
     long_warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 301))
-    with pytest.warns(RecipeNotice, match="fewer bytes, under the 8x asked"):
+    with pytest.warns(RecipeNotice, match="warm-up ends at step 300, but the byte budget affords 50"):
         chosen = plan("twobit:chunk", None, 1000, long_warmup, named, min_numel=0)
-    assert chosen.dense_steps == 300
+    assert chosen.dense_steps == 50 and chosen.expected_compression >= 8.0 * 0.999
+    tight = plan("twobit:chunk", None, 1000, long_warmup, named, min_numel=0, min_compression=20)
+    assert tight.dense_steps == 2 and any("under the 20x asked" in note for note in tight.notes)
 
 
 def test_optimizer_stages_by_optimizer():
