@@ -524,6 +524,9 @@ def test_emulation_executes_every_cuda_kernel(emulator):
         for index_dtype in (torch.int32, torch.int64):
             values, indices = run_topk_compress(launcher, TINY, grad, residual_in, residual_out, 4, index_dtype)
             cuda_ops.plan_topk_decompress_add(launcher, TINY, values, indices, torch.zeros(40))
+        codes, scales = torch.empty(3, dtype=torch.int32), torch.empty(1)  # the chunk-scaled 2-bit code
+        cuda_ops.plan_twobit_chunk_compress(launcher, TINY, grad, residual_in, residual_out.tensor, codes, scales)
+        cuda_ops.plan_twobit_chunk_decompress_add(launcher, TINY, codes, scales, torch.zeros(40))
     assert launcher.kernel_names, "the emulation found no kernels"
     assert set(launcher.launches) == set(launcher.kernel_names)
 
