@@ -49,9 +49,9 @@ __all__ = ["Auto", "DEFAULT_CANDIDATES"]
 
 logger = logging.getLogger(__name__)
 
-# 2-bit with the per-parameter RMS scale of the recipes: a fixed threshold fits gradients of one
-# known magnitude only and sends almost nothing elsewhere.
-DEFAULT_CANDIDATES = ("fp16", "twobit:rms", "topk:0.01")
+# The recipe's 2-bit code (a level per 64 elements from the chunk itself): a fixed threshold fits
+# gradients of one known magnitude only and sends almost nothing elsewhere.
+DEFAULT_CANDIDATES = ("fp16", "twobit:chunk", "topk:0.01")
 _NS = 1e9
 _MISSING = -1  # a measurement that was no finite time >= 0, as shared with the other ranks
 

@@ -38,7 +38,7 @@ def test_very_slow_link_picks_compression_and_ranks_agree(tmp_path):
     # Ranks measure different link times (3 s and 5 s per bucket) and kernel times (x1, x3).
     results = run(tmp_path, [3.0, 5.0], [1.0, 3.0])
     choices = check_agreement_and_replicas(results)
-    assert all(choice in ("twobit:rms", "topk:0.01") for choice in choices.values()), choices
+    assert all(choice in ("twobit:chunk", "topk:0.01") for choice in choices.values()), choices
     # After warm-up the buckets really travel compressed (gathered payloads).
     assert all(mode == "dense" for mode in results[0]["modes"][0].values())
     assert any(mode == "allgather" for mode in results[0]["modes"][-1].values()), results[0]["modes"][-1]
@@ -54,7 +54,7 @@ def test_a_nan_measurement_on_one_rank_is_dropped_by_every_rank(tmp_path):
     # alone: the NaNs are shared as missing, and both ranks decide from rank 0's times.
     results = run(tmp_path, [3.0, math.nan], [1.0, math.nan])
     choices = check_agreement_and_replicas(results)
-    assert all(choice in ("twobit:rms", "topk:0.01") for choice in choices.values()), choices
+    assert all(choice in ("twobit:chunk", "topk:0.01") for choice in choices.values()), choices
 
 
 @pytest.mark.multiprocess
