@@ -1,0 +1,117 @@
+"""The README's tables of figures, generated from the studies' own output files, never typed.
+
+Each table sits between ``<!-- generated: NAME -->`` and ``<!-- /generated -->`` in the README;
+``python -m experiments.readme_tables`` rewrites them from the result files below, and ``--check``
+fails (exit 1) when the README differs from what the results say (``tests/test_readme.py`` runs it):
+
+================  =============================================================================
+``convergence``   ``experiments/results/convergence/convergence.json`` (``experiments.convergence``):
+                  per workload and optimizer, the held-out loss of dense and the gap of top-k and
+                  2-bit to it (median over seeds; accuracy points for classifiers), with the bytes
+``time``          ``experiments/results/main/time_to_accuracy/time_to_accuracy.json`` (the main job,
+                  ``experiments.compare --quick``): time to dense's quality per link and method
+================  =============================================================================
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Callable, Dict, List
+
+from experiments.study_report import cell_summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES = {"convergence": "experiments/results/convergence/convergence.json",
+           "time": "experiments/results/main/time_to_accuracy/time_to_accuracy.json"}
+_BLOCK = re.compile(r"(<!-- generated: (\w[\w-]*) -->\n)(.*?)(<!-- /generated -->)", re.S)
+
+
+def _cell(summary: Dict[tuple, dict], key: tuple) -> str:
+    cell = summary.get(key)
+    if cell is None:
+        return "–"
+    if cell["accuracy_points_median"] is not None:
+        figure = f"{cell['accuracy_points_median'] * 100:+.1f} points"
+    else:
+        figure = f"{cell['gap_median']:+.1%}"
+    seeds = len(cell["seeds"])
+    return f"{figure}, {cell['compression_min']:.1f}x" + (f" ({seeds} seeds)" if seeds > 1 else "")
+
+
+def convergence_table(rows: List[dict]) -> str:
+    """Per workload x optimizer: dense's held-out loss (or accuracy), top-k's and 2-bit's gap."""
+    summary = {(c["workload"], c["optimizer"], c["method"]): c for c in cell_summary(rows)}
+    steps = {(r["workload"]): r["steps"] for r in rows}
+    accuracy = {(r["workload"], r["optimizer"]): r["final_accuracy"] for r in rows if r["method"] == "dense"}
+    lines = ["| workload (steps) | optimizer | dense | top-k 1% vs dense, bytes | 2-bit vs dense, bytes |",
+             "|---|---|---|---|---|"]
+    for workload, optimizer in sorted({(c[0], c[1]) for c in summary}):
+        dense = summary.get((workload, optimizer, "dense"))
+        if dense is None:
+            continue
+        held = accuracy.get((workload, optimizer))
+        shown = f"{held:.3f} accuracy" if held is not None else f"{dense['loss_median']:.3f}"
+        lines.append(f"| {workload} ({steps[workload]}) | {optimizer} | {shown} | "
+                     f"{_cell(summary, (workload, optimizer, 'topk'))} | "
+                     f"{_cell(summary, (workload, optimizer, 'twobit'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def time_table(rows: List[dict]) -> str:
+    """Per link: dense's step over its compute, and each method's time to dense's quality."""
+    methods = [m for m in ("dense", "fp16", "powersgd", "topk", "twobit", "auto")
+               if any(r["method"] == m for r in rows)]
+    links = sorted({r["link"] for r in rows}, key=lambda link: ("unshaped", "10gbit", "1gbit", "100mbit",
+                                                                "10mbit").index(link))
+    lines = ["| link | dense step / compute | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for link in links:
+        at = {r["method"]: r for r in rows if r["link"] == link}
+        dense = at.get("dense", {})
+        over = dense.get("dense_step_over_compute")
+        cells = []
+        for method in methods:
+            row = at.get(method)
+            ratio = None if row is None else row["time_ratio_vs_dense"]
+            cells.append("never" if row is not None and ratio is None else ("–" if row is None else f"{ratio:.2f}x"))
+        lines.append(f"| {link} | {'–' if over is None else f'{over:.2f}'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+TABLES: Dict[str, Callable[[List[dict]], str]] = {"convergence": convergence_table, "time": time_table}
+
+
+def render(readme: str, root: str = ROOT) -> str:
+    """``readme`` with every generated block rewritten from its source file."""
+    def replace(match) -> str:
+        name = match.group(2)
+        with open(os.path.join(root, SOURCES[name])) as f:
+            rows = json.load(f)
+        return match.group(1) + TABLES[name](rows) + match.group(4)
+
+    return _BLOCK.sub(replace, readme)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the README differs from the results")
+    parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    args = parser.parse_args(argv)
+    with open(args.readme) as f:
+        current = f.read()
+    wanted = render(current)
+    if args.check:
+        if wanted != current:
+            print("readme_tables: the README's generated tables differ from the results; run "
+                  "python -m experiments.readme_tables", file=sys.stderr)
+            return 1
+        return 0
+    with open(args.readme, "w") as f:
+        f.write(wanted)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
