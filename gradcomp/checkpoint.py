@@ -105,17 +105,8 @@ def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = 
     step, world_size, rank = _checked_header(saved)
     totals = _checked_totals(saved.get("telemetry"))
     kept = _checked_residuals(saved["residuals"], parameter_numels, unknown_residuals)
-    saved_spec = saved["compressor"]
-    if not isinstance(saved_spec, str):
-        raise ValueError(f"'compressor' must be a spec string, got {type(saved_spec).__name__}")
     assign_slots = _prepared_slots(engine, saved)
-    reset_reason = None
-    if world_size != here[0] or rank != here[1]:
-        reset_reason = (f"the checkpoint was saved by rank {rank} of world size {world_size} and is loaded by rank "
-                        f"{here[1]} of world size {here[0]}")
-    elif saved_spec != spec_of(engine.compressor):
-        reset_reason = (f"the checkpoint's residuals were made by {saved_spec!r}, "
-                        f"this run uses {spec_of(engine.compressor)!r}")
+    reset_reason = _reset_reason(engine, saved["compressor"], (world_size, rank), here)
     # Checked even when then dropped: a corrupt checkpoint is rejected, not half-read.
     exchange_states = _prepared_exchanges(engine, saved, world_size, rank)
 
@@ -140,6 +131,19 @@ def prepare_load(engine, saved, parameter_numels: Optional[Mapping[str, int]] = 
                 held.reset()
 
     return assign
+
+
+def _reset_reason(engine, saved_spec, saved_at: Tuple[int, int], here: Tuple[int, int]) -> Optional[str]:
+    """Why this rank's residuals (and first moments) cannot be the checkpoint's: another rank or
+    world size, or another compressor (``None``: they can)."""
+    if not isinstance(saved_spec, str):
+        raise ValueError(f"'compressor' must be a spec string, got {type(saved_spec).__name__}")
+    if saved_at != here:
+        return (f"the checkpoint was saved by rank {saved_at[1]} of world size {saved_at[0]} and is loaded by rank "
+                f"{here[1]} of world size {here[0]}")
+    if saved_spec != spec_of(engine.compressor):
+        return f"the checkpoint's residuals were made by {saved_spec!r}, this run uses {spec_of(engine.compressor)!r}"
+    return None
 
 
 def _checked_header(saved) -> Tuple[int, int, int]:
