@@ -61,7 +61,8 @@ def all_ranks(states) -> dict:
     states = list(states)
     for rank, state in enumerate(states):
         if not isinstance(state, Mapping) or state.get("rank") != rank:
-            raise ValueError(f"all_ranks needs every rank's state_dict in rank order; entry {rank} is not rank {rank}'s")
+            raise ValueError(f"all_ranks needs every rank's state_dict in rank order; entry {rank} is not "
+                             f"rank {rank}'s")
     return {"format": STATE_FORMAT, "ranks": states}
 
 
