@@ -17,8 +17,9 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   stores the large early gradients and releases them late, but the budget is the user's promise,
   so a warm-up too long for it is cut short, with a notice.
 * **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
-  affords down to the density asked, each stage as long as the byte budget allows (``min_compression`` x fewer bytes than dense over the whole run, warm-up and
-  the parameters sent dense included), over at least :data:`RAMP_MIN_FRACTION` and at most
+  affords down to the density asked, each stage as long as the byte budget allows
+  (``min_compression`` x fewer bytes than dense over the whole run, warm-up and the parameters sent
+  dense included), over at least :data:`RAMP_MIN_FRACTION` and at most
   :data:`RAMP_FRACTION` of the steps after ``D``. A run too short for the budget keeps the ramp and
   says that the budget is missed.
 * **optimizer stage**: Adam/AdamW gets :class:`~gradcomp.optim.FrozenVarianceAdam` (variance frozen
