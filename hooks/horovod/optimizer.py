@@ -261,7 +261,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     _check_drop_in_arguments(compressor, op, named_parameters, error_feedback)
     named = list(names_of(optimizer.param_groups, named_parameters).items())
     setup = prepare(compressor, [(name, p) for p, name in named],
-                    optimizer=optimizer if total_steps is not None else None, total_steps=total_steps, scheduler=scheduler, min_compression=min_compression, stage_hook=False,
+                    optimizer=optimizer if total_steps is not None else None, total_steps=total_steps,
+                    scheduler=scheduler, min_compression=min_compression, stage_hook=False,
                     announce=_first_rank(process_set), **engine_settings)
     engine = Engine(setup.compressor, HorovodTransport(process_set, op, gradient_predivide_factor), **setup.settings)
     engine.agreement_steps = ()  # checked once at construction instead
