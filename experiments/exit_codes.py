@@ -8,7 +8,7 @@ aborts can be compared between torch alone and gradcomp's recipes on the same ma
 
 Usage (each job is two fresh Python processes; jobs run one after another)::
 
-    python -m experiments.exit_codes --jobs 50 --steps 500 --recipes dense dgc_topk adamw_topk twobit
+    python -m experiments.exit_codes --jobs 50 --steps 600 --recipes dense topk_adamw twobit_sgdm auto two_phase
     python -m experiments.exit_codes --jobs 3 --steps 100            # a quick check that it runs
 
 Prints one line per job (recipe, exit codes, an abort message seen in stderr) and a table:
@@ -23,8 +23,28 @@ import os
 import subprocess
 import sys
 
-RECIPES = ("dense", "dgc_topk", "adamw_topk", "twobit")
+RECIPES = ("dense", "topk_adamw", "twobit_sgdm", "auto", "two_phase")
 ABORT = "terminate called"
+
+
+def _optimizer_and_state(recipe: str, ddp, model, steps: int, backend: str):
+    """The job's optimizer, with gradcomp registered on ``ddp`` as ``recipe`` says (``dense``: none)."""
+    import torch
+
+    import gradcomp
+
+    if recipe == "topk_adamw":  # the one-call recipe: frozen-variance Adam, a sparsity ramp
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gradcomp.register(ddp, "topk:0.01", optimizer=optimizer, total_steps=steps, backend=backend)
+        return optimizer
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if recipe == "twobit_sgdm":
+        gradcomp.register(ddp, "twobit:chunk", optimizer=optimizer, total_steps=steps, backend=backend)
+    elif recipe == "auto":  # measures the link during the dense start, then decides per bucket
+        gradcomp.register(ddp, gradcomp.TopK(0.01), policy=gradcomp.Auto(), warmup_steps=10, backend=backend)
+    elif recipe == "two_phase":  # phase 1 is a blocking all-to-all inside the hook
+        gradcomp.register(ddp, gradcomp.TopK(0.05), exchange="two_phase", warmup_steps=2, backend=backend)
+    return optimizer
 
 
 def _rank(rank: int, world_size: int, port: int, recipe: str, steps: int, backend: str, bucket_cap_mb: float) -> None:
@@ -33,11 +53,6 @@ def _rank(rank: int, world_size: int, port: int, recipe: str, steps: int, backen
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import gradcomp
-    from gradcomp.hooks import ddp as gc_ddp
-    from gradcomp.optim import DGC, CompressedAdamW
-    from gradcomp.schedule import DenseWarmup, SparsityRamp
-
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
@@ -45,19 +60,7 @@ def _rank(rank: int, world_size: int, port: int, recipe: str, steps: int, backen
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
                                 torch.nn.Tanh(), torch.nn.Linear(256, 10))
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    if recipe == "adamw_topk":
-        optimizer = CompressedAdamW(model.named_parameters(), lr=1e-3, freeze_step=10)
-        gc_ddp.register(ddp, gradcomp.TopK(0.01), schedule=SparsityRamp(dense_steps=10, stage_steps=10),
-                        transform=optimizer.transform, backend=backend)
-    elif recipe == "dgc_topk":
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0)
-        gc_ddp.register(ddp, gradcomp.TopK(0.01), schedule=SparsityRamp(dense_steps=2, stage_steps=10),
-                        transform=DGC(model.named_parameters(), momentum=0.9, optimizer=optimizer), backend=backend)
-    elif recipe == "twobit":
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        gc_ddp.register(ddp, gradcomp.TwoBit("rms"), schedule=DenseWarmup(5), backend=backend)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer = _optimizer_and_state(recipe, ddp, model, steps, backend)
     for step in range(steps):
         generator = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(32, 32, generator=generator), torch.randint(0, 10, (32,), generator=generator)

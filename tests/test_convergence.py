@@ -53,6 +53,8 @@ def test_bytes_and_dense_comparison(quick_study):
 def test_table_and_plots_are_written(quick_study):
     out, rows = quick_study
     table = (out / "convergence.md").read_text()
-    assert table.count("| charlm-tiny |") == len(rows)
+    cells, runs = table.split("## Runs")
+    assert runs.count("| charlm-tiny |") == len(rows)  # one line per run
+    assert cells.count("| charlm-tiny |") == len({(r["optimizer"], r["method"]) for r in rows})  # one per cell
     assert (out / "charlm-tiny_sgdm_loss_vs_step.png").stat().st_size > 1000
     assert (out / "charlm-tiny_sgdm_loss_vs_time.png").stat().st_size > 1000

@@ -76,5 +76,5 @@ def test_zero_tensor_sends_nothing_and_nonfinite_entries_poison_the_average():
 
 
 def test_bad_threshold_strings_are_rejected():
-    with pytest.raises(TypeError, match="rms"):
+    with pytest.raises(ValueError, match="'rms' or 'chunk'"):
         TwoBit("mean")

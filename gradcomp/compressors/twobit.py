@@ -63,7 +63,7 @@ class TwoBit(Compressor):
             raise ValueError(f"TwoBit(threshold={threshold!r}): a threshold is a positive number, 'rms' or 'chunk'")
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
             raise TypeError(
-                f"TwoBit(threshold=...) must be a positive number or 'rms', got {type(threshold).__name__}"
+                f"TwoBit(threshold=...) must be a positive number, 'rms' or 'chunk', got {type(threshold).__name__}"
             )
         if not math.isfinite(threshold) or threshold <= 0:
             raise ValueError(f"TwoBit(threshold={threshold!r}): threshold must be finite and > 0")
