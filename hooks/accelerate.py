@@ -32,6 +32,7 @@ Example::
 Accelerate is imported by the caller, never here: ``import gradcomp`` does not need it.
 """
 import copy
+import warnings
 from typing import Optional
 
 import torch
@@ -61,16 +62,20 @@ class AllRanksState:
 
 
 class OptimizerStepScheduler:
-    """An LR scheduler seen per optimizer step, for the recipe's reading of its warm-up.
+    """An LR scheduler seen per optimizer step and from the run's first step, for the recipe's reading
+    of its warm-up.
 
     Args:
         scheduler: the ``torch.optim.lr_scheduler`` object (never stepped or changed here).
         optimizer: the ``torch.optim`` optimizer it drives (not a wrapper).
         per_step: how many times the loop steps ``scheduler`` per optimizer step.
 
-    The recipe steps a deep copy (:func:`gradcomp.recipe.lr_peak_step`); the copy is of ``scheduler``
-    with ``optimizer`` in place of whatever wrapper it holds, because a wrapper carries the launcher's
-    process state, which is neither copyable nor needed to compute a learning rate.
+    The recipe steps a deep copy (:func:`gradcomp.recipe.lr_peak_step`). The copy is of ``scheduler``
+    with ``optimizer`` in place of whatever wrapper it holds (a wrapper carries the launcher's process
+    state, which is neither copyable nor needed to compute a learning rate), rewound to the run's
+    first step: a resumed run has loaded the scheduler's state before it registers, and its plan must
+    be the one its checkpoint was saved under. The rewind is exact for the schedulers whose rate is a
+    function of the step (``LambdaLR``, which every HF ``get_scheduler`` type is, ``LinearLR``, ...).
     """
 
     def __init__(self, scheduler, optimizer, per_step: int = 1):
@@ -86,10 +91,24 @@ class OptimizerStepScheduler:
         view = copy.copy(self.scheduler)
         view.optimizer = self.optimizer
         inner = copy.deepcopy(view, memo)
+        _rewind(inner)
         return OptimizerStepScheduler(inner, inner.optimizer, self.per_step)
 
     def __repr__(self) -> str:
         return f"OptimizerStepScheduler({type(self.scheduler).__name__}, per_step={self.per_step})"
+
+
+def _rewind(scheduler) -> None:
+    """Put ``scheduler`` (a copy, with a copy of its optimizer's param groups) back at step 0."""
+    base_lrs = getattr(scheduler, "base_lrs", None)
+    if base_lrs is None or getattr(scheduler, "last_epoch", 0) == 0:
+        return
+    for group, base_lr in zip(scheduler.optimizer.param_groups, base_lrs):
+        group["lr"] = base_lr
+    scheduler.last_epoch = -1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": nothing is trained here
+        scheduler.step()
 
 
 def per_optimizer_step(accelerator, scheduler) -> Optional[OptimizerStepScheduler]:
