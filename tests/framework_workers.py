@@ -14,7 +14,7 @@ LR, MOMENTUM, WARMUP, MIN_NUMEL = 0.05, 0.9, 1, 16
 # The recipe run (AdamW under an LR warm-up, clipping, accumulation) that the Accelerate and Lightning
 # scripts reproduce. A byte budget of 1.5x lets the dense start follow the warm-up, so a scheduler read
 # at the wrong pace changes the plan (and the final parameters).
-RECIPE_LR, RECIPE_WARMUP, CLIP, MIN_COMPRESSION = 0.01, 4, 1.0, 1.5
+RECIPE_LR, RECIPE_WARMUP, CLIP, MIN_COMPRESSION, ACCUMULATE = 0.01, 4, 1.0, 1.5, 2
 
 
 def warmup(step: int) -> float:

@@ -21,7 +21,9 @@ TESTS = Path(__file__).resolve().parent
 def environment() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
                GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               # No accelerator here: Accelerate then runs its ranks on CPUs over Gloo (as --cpu would).
+               ACCELERATE_USE_CPU="true")  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(TESTS.parent), env.get("PYTHONPATH")]))
     return env
 
@@ -40,9 +42,16 @@ def run(command: List[str], cwd, timeout_s: float = 400) -> str:
     return output
 
 
+def script_with(path: Path, *parts: str) -> Path:
+    """Write ``parts`` (code) one after another into ``path``: a README block between its preamble and
+    its checks, run as a script under a launcher."""
+    path.write_text("\n".join(part.strip("\n") + "\n" for part in parts))
+    return path
+
+
 def accelerate_launch(script: str, args: List[str], cwd, world_size: int = 2, timeout_s: float = 400) -> str:
-    """``accelerate launch`` of ``tests/<script>`` on ``world_size`` processes (the script asks for
-    ``Accelerator(cpu=True)``: with no accelerator here, the ranks use Gloo)."""
+    """``accelerate launch`` of ``tests/<script>`` (or of the absolute path ``script``) on ``world_size``
+    processes (with no accelerator here, the ranks use Gloo: see :func:`environment`)."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world_size),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_ip", "127.0.0.1", "--main_process_port", str(multiprocess.free_port()),

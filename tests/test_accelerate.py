@@ -10,6 +10,7 @@ import torch
 import framework_workers as fw
 import launchers
 import multiprocess
+import readme_worker
 
 pytest.importorskip("accelerate", reason="needs accelerate: pip install 'gradcomp[frameworks]'")
 
@@ -79,3 +80,31 @@ def test_accelerate_register_refuses_a_model_without_ddp():
             gc_accelerate.register(accelerator, model, "topk:0.1")
     finally:
         AcceleratorState._reset_state(True)  # Accelerate's state is per process: leave none to later tests
+
+
+# What an Accelerate script has before the README's lines, and what the test checks after them.
+README_PREAMBLE = """
+import os
+
+import torch
+
+import ddp_workers as workers
+
+torch.set_num_threads(1)
+model = workers.make_model("mlp")
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+loss_fn = torch.nn.functional.mse_loss
+loader = [workers.batch(int(os.environ["RANK"]), i) for i in range(16)]
+"""
+README_CHECKS = """
+assert accelerator.num_processes == 2, accelerator.distributed_type
+assert state.step == 8 and state.stats()["total"]["compression_ratio"] > 1.3, state.stats()
+assert os.path.isfile("checkpoint/custom_checkpoint_0.pkl")
+"""
+
+
+def test_accelerate_readme_example_runs_under_accelerate_launch(tmp_path):
+    script = launchers.script_with(tmp_path / "readme_accelerate.py", README_PREAMBLE,
+                                   readme_worker.example("accelerate"), README_CHECKS)  # fmt: skip
+    launchers.accelerate_launch(str(script), [], tmp_path)

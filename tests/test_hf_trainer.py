@@ -7,6 +7,7 @@ import torch
 import hf_workers as hf
 import launchers
 import multiprocess
+import readme_worker
 
 pytest.importorskip("transformers", reason="needs transformers: pip install 'gradcomp[test]'")
 
@@ -55,3 +56,30 @@ def test_hf_trainer_compressed_against_dense(tmp_path):
     initial = hf.held_out(hf.make_model())
     assert compressed["held_out"] < initial  # it trained
     assert abs(compressed["held_out"] - dense["held_out"]) <= 0.05 * dense["held_out"]
+
+
+README_PREAMBLE = """
+import os
+
+import torch
+from transformers import TrainingArguments
+
+import hf_workers as hf
+
+torch.set_num_threads(1)
+model = hf.make_model()
+args = TrainingArguments(output_dir="out", use_cpu=True, per_device_train_batch_size=hf.BATCH, max_steps=8,
+                         save_steps=4, report_to="none", disable_tqdm=True, train_sampling_strategy="sequential")
+train_dataset = hf.train_items(2)
+"""
+README_CHECKS = """
+callback = next(c for c in trainer.callback_handler.callbacks if type(c).__name__ == "GradcompTrainerCallback")
+assert callback.state.step == 8 and callback.state.stats()["total"]["compression_ratio"] > 1.3
+assert os.path.isfile("out/checkpoint-4/gradcomp.pt") and os.path.isfile("out/checkpoint-8/gradcomp.pt")
+"""
+
+
+def test_hf_trainer_readme_example_runs_under_torchrun(tmp_path):
+    script = launchers.script_with(tmp_path / "readme_hf_trainer.py", README_PREAMBLE,
+                                   readme_worker.example("hf_trainer"), README_CHECKS)  # fmt: skip
+    launchers.torchrun(str(script), [], tmp_path)
