@@ -49,7 +49,8 @@ def run_stage_after_closure(stage):
     ``gradient_clip_val``), or at once for a step without one. The optimizer's own step follows."""
 
     def pre_hook(optimizer, args, kwargs):
-        closure = kwargs.get("closure", args[0] if args else None)
+        # args[0] is the optimizer itself (torch hands the hook the step's bound arguments).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
             stage.before_optimizer_step()
             return None
@@ -61,7 +62,7 @@ def run_stage_after_closure(stage):
 
         kwargs = dict(kwargs)
         kwargs["closure"] = closure_then_stage
-        return args[1:], kwargs
+        return args[:1], kwargs
 
     return pre_hook
 
