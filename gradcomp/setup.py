@@ -13,6 +13,9 @@ average and what the user passed; it applies one set of rules:
 * parameter names lose the prefixes wrappers add (``module.`` of DDP, ``_orig_mod.`` of
   ``torch.compile``), once, here, so that residuals, stages and checkpoints use the names of the
   model itself whatever wraps it;
+* an optimizer wrapper (Accelerate's ``AcceleratedOptimizer``, which the HF ``Trainer`` also holds)
+  is followed to the ``torch.optim`` optimizer inside it (:func:`innermost_optimizer`): the recipe
+  reads that one's class and registers its stage as that one's step pre-hook;
 * the gradient dtypes, the kernel backend and the optimizer stage's parameter names are checked
   before any step.
 
@@ -33,7 +36,7 @@ import torch
 from gradcomp.compressors import Compressor, from_spec
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_backend, check_compressor, check_gradient_dtypes
 
-__all__ = ["Setup", "prepare", "RecipeNotice", "unwrapped_names", "WRAPPER_PREFIXES"]
+__all__ = ["Setup", "prepare", "RecipeNotice", "unwrapped_names", "innermost_optimizer", "WRAPPER_PREFIXES"]
 
 #: The prefixes wrappers add to the names of the module they hold: DDP's and ``torch.compile``'s.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -70,6 +73,21 @@ def unwrapped_names(named_parameters: Iterable[Tuple[str, torch.nn.Parameter]]) 
                 named = [(name[len(prefix):], p) for name, p in named]
                 changed = True
     return named
+
+
+def innermost_optimizer(optimizer):
+    """The optimizer that ``optimizer`` wraps, followed through ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer``, nested ones too); ``optimizer`` itself if it wraps none.
+
+    Why: a wrapper subclasses ``torch.optim.Optimizer`` without its ``__init__``, so its class says
+    nothing of the algorithm (the recipe picks Adam's stage by class) and a step pre-hook registered
+    on it never runs; its ``step()`` calls the inner optimizer's ``step()``, whose pre-hooks run.
+    """
+    seen = set()
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def notice(message: str, announce: bool = True) -> None:
@@ -113,6 +131,10 @@ def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter
         compressor = from_spec(compressor)
     compressor = check_compressor(compressor)
     named = unwrapped_names((n, p) for n, p in named_parameters if p.requires_grad)
+    optimizer = innermost_optimizer(optimizer)
+    if scheduler is not None and not hasattr(scheduler, "optimizer"):
+        raise TypeError(f"scheduler= needs the LR scheduler itself (with .optimizer), got {type(scheduler).__name__}; "
+                        "for Accelerate's prepared scheduler use gradcomp.hooks.accelerate.register")
     recipe = None
     if total_steps is not None:
         clash = sorted(set(RECIPE_OWNS) & {k for k, v in settings.items() if v is not None})

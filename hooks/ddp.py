@@ -326,4 +326,11 @@ def _ddp_of(model) -> torch.nn.parallel.DistributedDataParallel:
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register() needs a DistributedDataParallel model (or torch.compile of one), "
                         f"got {type(model).__name__}")
+    if getattr(model, "_use_python_reducer", False):
+        # Compiled autograd's Python reducer calls a comm hook once per parameter as
+        # hook(state, (grad, param)) and ignores what it returns: no bucket, no future, no exchange.
+        raise RuntimeError("this DistributedDataParallel model was built under torch._dynamo.config.optimize_ddp="
+                           "'python_reducer' (compiled autograd), which calls comm hooks per parameter without a "
+                           "bucket; gradcomp needs DDP's own reducer: build the DDP model under the default "
+                           "optimize_ddp ('ddp_optimizer'), which torch.compile supports with the hook")
     return model

@@ -41,7 +41,15 @@ class Block:
 
     @property
     def kind(self) -> str:
-        return "horovod" if re.search(r"\bhorovod\b|\bhvd\.", self.code) else "ddp"
+        """``horovod``, ``accelerate`` and ``hf_trainer`` blocks need their own launcher (tests/test_readme.py
+        runs the first, tests/test_accelerate.py and tests/test_hf_trainer.py the others); the rest: ``ddp``."""
+        if re.search(r"\bhorovod\b|\bhvd\.", self.code):
+            return "horovod"
+        if re.search(r"^from accelerate import|^import accelerate", self.code, re.M):
+            return "accelerate"
+        if re.search(r"^from transformers import|^import transformers", self.code, re.M):
+            return "hf_trainer"
+        return "ddp"
 
     @property
     def name(self) -> str:
@@ -63,6 +71,12 @@ def python_blocks(path: Path = README) -> List[Block]:
     if current is not None:
         raise ValueError(f"README.md: the ```python block at line {start - 1} is never closed")
     return blocks
+
+
+def example(name: str, path: Path = README) -> str:
+    """The ```python block between ``<!-- example: NAME -->`` and ``<!-- /example: NAME -->``."""
+    block = path.read_text().split(f"<!-- example: {name} -->", 1)[1].split(f"<!-- /example: {name} -->", 1)[0]
+    return block.split("```python", 1)[1].split("```", 1)[0]
 
 
 class TinyNet(torch.nn.Module):

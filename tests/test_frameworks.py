@@ -15,7 +15,7 @@ SPECS = [("topk", 0.1), ("twobit", 0.01)]
 
 
 def _spec_text(spec):
-    return f"{spec[0]}:{spec[1]}"
+    return spec if isinstance(spec, str) else f"{spec[0]}:{spec[1]}"
 
 
 def run_lightning(tmp_path, spec, steps, name, *extra):
@@ -55,6 +55,42 @@ def test_lightning_resume_is_bitwise(tmp_path, spec):
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
     resumed = run_lightning(tmp_path, spec, 8, "resumed", "--resume", ckpt)
     straight = run_lightning(tmp_path, spec, 8, "straight")
+    assert resumed["step"] == straight["step"] == 8
+    for name, value in straight["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+
+
+RECIPE_SPECS = multiprocess.slow_except(["topk:0.1", "twobit:chunk"], quick=["topk:0.1"], one_name=True)
+
+
+@pytest.mark.parametrize("spec", RECIPE_SPECS)
+def test_lightning_recipe_with_clipping_and_accumulation_matches_hand_written_ddp(tmp_path, spec):
+    """GradcompCallback(recipe=True): AdamW and its per-step warm-up from configure_optimizers,
+    gradient_clip_val, accumulate_grad_batches; the hand-written recipe loop on the same data."""
+    pytest.importorskip("lightning", reason="needs lightning: pip install 'gradcomp[frameworks]'")
+    steps = 8
+    light = run_lightning(tmp_path, spec, steps, "lightning", "--recipe")
+    hand = multiprocess.spawn(framework_workers.recipe_hand_written, 2, str(tmp_path), spec, steps,
+                              framework_workers.ACCUMULATE)[0]  # fmt: skip
+    assert light["step"] == hand["step"] == steps
+    # The recipe read Lightning's scheduler (the warm-up's end) and run length (estimated_stepping_batches).
+    assert light["dense_steps"] == hand["dense_steps"] == framework_workers.RECIPE_WARMUP - 1
+    assert light["stats"]["total"]["bytes_sent"] == hand["stats"]["bytes_sent"]
+    assert light["stats"]["total"]["compression_ratio"] > 1.3
+    assert abs(light["held_out"] - hand["held_out"]) <= 0.01 * hand["held_out"]
+    for name, value in hand["params"].items():
+        assert torch.equal(light["params"][name], value), name
+
+
+@pytest.mark.slow
+def test_lightning_recipe_resume_is_bitwise(tmp_path):
+    pytest.importorskip("lightning", reason="needs lightning: pip install 'gradcomp[frameworks]'")
+    ckpt = str(tmp_path / "half.ckpt")
+    # The first run is planned for 8 steps too (the recipe's plan depends on the run's length).
+    run_lightning(tmp_path, "topk:0.1", 8, "first_half", "--recipe", "--save-at", "4", ckpt)
+    assert len(torch.load(ckpt, weights_only=False)["gradcomp"]["ranks"]) == 2
+    resumed = run_lightning(tmp_path, "topk:0.1", 8, "resumed", "--recipe", "--resume", ckpt)
+    straight = run_lightning(tmp_path, "topk:0.1", 8, "straight", "--recipe")
     assert resumed["step"] == straight["step"] == 8
     for name, value in straight["params"].items():
         assert torch.equal(resumed["params"][name], value), name

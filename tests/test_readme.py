@@ -35,13 +35,29 @@ def horovod_results(tmp_path_factory):
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
 
 
-def test_the_readme_has_blocks_of_both_kinds():
+#: Blocks that need their framework's launcher, and the test that runs each under it.
+LAUNCHED_ELSEWHERE = {"accelerate": "tests/test_accelerate.py", "hf_trainer": "tests/test_hf_trainer.py"}
+
+
+def test_the_readme_has_blocks_of_every_kind():
     kinds = {block.kind for block in BLOCKS}
-    assert kinds == {"ddp", "horovod"}, kinds
+    assert kinds == {"ddp", "horovod", *LAUNCHED_ELSEWHERE}, kinds
+
+
+def test_framework_blocks_are_examples_their_tests_run():
+    """An Accelerate or HF Trainer block runs in its own test under its launcher, found by its
+    ``<!-- example: KIND -->`` marker: exactly one such block per kind."""
+    text = readme_worker.README.read_text()
+    for kind in LAUNCHED_ELSEWHERE:
+        blocks = [b for b in BLOCKS if b.kind == kind]
+        assert len(blocks) == 1 and text.count(f"<!-- example: {kind} -->") == 1, kind
+        marked = text.split(f"<!-- example: {kind} -->", 1)[1].split(f"<!-- /example: {kind} -->", 1)[0]
+        assert blocks[0].code.strip() in marked, kind
 
 
 # The Horovod blocks' job is slow; test_horovod.py covers the same calls in the quick selection.
-CASES = [pytest.param(b, marks=[pytest.mark.horovod, pytest.mark.slow]) if b.kind == "horovod" else b for b in BLOCKS]
+CASES = [pytest.param(b, marks=[pytest.mark.horovod, pytest.mark.slow]) if b.kind == "horovod" else b
+         for b in BLOCKS if b.kind not in LAUNCHED_ELSEWHERE]  # fmt: skip
 
 
 @pytest.mark.parametrize("block", CASES, ids=lambda block: block.name)

@@ -1,0 +1,101 @@
+"""Step time of gradcomp's hook on a compiled model against the eager one, on 2 Gloo ranks.
+
+    python -m experiments.compile_step_time [--spec topk:0.01] [--steps 30] [--warmup 5] [--backend inductor]
+
+One launch runs every mode in turn on the same ranks: ``eager`` (``DDP(net)``), ``compiled_module``
+(``DDP(torch.compile(net))``) and ``compiled_ddp`` (``torch.compile(DDP(net))``), each with
+``gradcomp.register(..., total_steps=)`` and AdamW. The first ``--warmup`` steps (compilation, the
+recipe's dense start) are left out; rank 0 prints one JSON line per mode with the median and the
+quartiles of the remaining steps' wall time and their ratio to eager's median. Run it on a quiet
+machine: the numbers are meant to be compared side by side within one run.
+"""
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+MODES = ("eager", "compiled_module", "compiled_ddp")
+
+
+def make_net(width: int = 512, depth: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+
+
+def time_mode(rank: int, mode: str, args) -> list:
+    """Per-step wall times (seconds) of ``mode`` after its warm-up steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradcomp
+
+    torch._dynamo.reset()
+    net = make_net()
+    if mode == "eager":
+        model = DDP(net)
+    elif mode == "compiled_module":
+        model = DDP(torch.compile(net, backend=args.backend))
+    else:
+        model = torch.compile(DDP(net), backend=args.backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    total = args.warmup + args.steps
+    gradcomp.register(model, args.spec, optimizer=optimizer, total_steps=total)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(64, 512, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+    times = []
+    for step in range(total):
+        dist.barrier()
+        start = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def rank_main(rank: int, world_size: int, port: int, args) -> None:
+    torch.set_num_threads(args.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600))
+    try:
+        eager_median = None
+        for mode in args.modes:
+            times = time_mode(rank, mode, args)
+            q1, median, q3 = statistics.quantiles(times, n=4)
+            eager_median = median if mode == "eager" else eager_median
+            if rank == 0:
+                print(json.dumps({"mode": mode, "backend": args.backend, "spec": args.spec, "steps": len(times),
+                                  "median_s": median, "q1_s": q1, "q3_s": q3,
+                                  "vs_eager": median / eager_median if eager_median else None}), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", default="topk:0.01")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    args = parser.parse_args(argv)
+    args.modes = [mode for mode in MODES if mode in args.modes]  # eager first: the others' ratios need it
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(rank_main, args=(2, port, args), nprocs=2, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
