@@ -183,6 +183,8 @@ def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str],
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from gradcomp import inflight
+
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
@@ -208,6 +210,7 @@ def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str],
             net.eval()
             sums = workload.evaluate_sums(net, rank, world_size, torch.device("cpu"))
             net.train()
+            inflight.hold(sums)  # Gloo's thread must not be the last owner of a Python tensor at exit
             dist.all_reduce(sums)
             emit({"event": "eval", "step": step, "train_time_s": train_time, **workload.metrics(sums)})
 

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from experiments.train import free_port
-from gradcomp import FP16, TopK, TwoBit, exchanges
+from gradcomp import FP16, TopK, TwoBit, exchanges, inflight
 from gradcomp.costmodel import Cluster, Kernels, Link, gbit, predict
 
 DEFAULT_BENCH = os.path.join(os.path.dirname(__file__), "results", "cpu-2core-2026-11-22", "bench_kernels_2p24.json")
@@ -222,6 +222,14 @@ VALIDATION_NUMEL = 4 * 1024 * 1024  # 16 MB of float32: bandwidth-dominated, sec
 REPEATS = 5
 
 
+def _all_reduce_held(tensor: torch.Tensor) -> None:
+    """A blocking allreduce of ``tensor``, held until Gloo's thread lets go (see gradcomp.inflight)."""
+    import torch.distributed as dist
+
+    inflight.hold(tensor)
+    dist.all_reduce(tensor)
+
+
 def _median_time(fn, repeats: int) -> float:
     import torch.distributed as dist
 
@@ -267,9 +275,9 @@ def _measure_rank(rank: int, world_size: int, port: int, numel: int, repeats: in
         beta = big / max(_pingpong(big, repeats) - alpha, 1e-9)
         measured: Dict[str, float] = {}
         grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-        measured[DENSE] = _median_time(lambda: dist.all_reduce(grad.clone()), repeats)
+        measured[DENSE] = _median_time(lambda: _all_reduce_held(grad.clone()), repeats)
         half = grad.half()
-        measured["fp16"] = _median_time(lambda: dist.all_reduce(half.clone()), repeats)
+        measured["fp16"] = _median_time(lambda: _all_reduce_held(half.clone()), repeats)
         cluster = Cluster(world_size, Link(alpha, beta))
         for _, name, factory in COMPRESSED:
             compressor = factory()
@@ -302,12 +310,14 @@ def _collectives_of(cost, world_size: int):
     if "slot1" not in cost.parts:
         payload = torch.zeros(cost.handed_bytes, dtype=torch.uint8)
         gathered = torch.empty(world_size * cost.handed_bytes, dtype=torch.uint8)
+        inflight.hold(payload, gathered)  # held for the exit, as every tensor handed to Gloo (gradcomp.inflight)
         return lambda: dist.all_gather_into_tensor(gathered, payload)
     slot1, slot2 = cost.parts["slot1"], cost.parts["slot2"]
     a2a_in = torch.zeros(world_size * slot1, dtype=torch.uint8)
     a2a_out = torch.empty_like(a2a_in)
     second = torch.zeros(slot2, dtype=torch.uint8)
     second_out = torch.empty(world_size * slot2, dtype=torch.uint8)
+    inflight.hold(a2a_in, a2a_out, second, second_out)
 
     def chunked():
         dist.all_to_all_single(a2a_out, a2a_in)

@@ -130,8 +130,9 @@ def run_rank(rank: int, world_size: int, args) -> None:
                     measured.append(_step(replicas[method], workload, loop, rank, counter[method]))
                     counter[method] += 1
                 times.setdefault((method, rate), []).append(statistics.median(measured))
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, {f"{m}|{r}": v for (m, r), v in times.items()})
+    from gradcomp import inflight
+
+    gathered = inflight.all_gather_object({f"{m}|{r}": v for (m, r), v in times.items()})
     if rank == 0:
         with open(os.path.join(args.out, "rounds.json"), "w") as f:
             json.dump(gathered, f)

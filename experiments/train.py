@@ -325,10 +325,13 @@ def choose_twobit_threshold(model, scale: float = AUTO_THRESHOLD_SCALE) -> float
     import torch
     import torch.distributed as dist
 
+    from gradcomp import inflight
+
     squares = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None)
     count = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
     device = next(model.parameters()).device
     threshold = torch.tensor([scale * math.sqrt(squares / max(count, 1))], dtype=torch.float64, device=device)
+    inflight.hold(threshold)
     dist.broadcast(threshold, src=0)
     value = float(threshold)
     if not value > 0 or not math.isfinite(value):
@@ -371,6 +374,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
     from torch.nn.parallel import DistributedDataParallel
 
     from experiments import workloads
+    from gradcomp import inflight
 
     # A 1-channel conv's weight grad may get strides that differ from its bucket view;
     # DDP copies it correctly and warns once per rank, which is only noise here.
@@ -434,6 +438,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
             net.eval()
             sums = workload.evaluate_sums(net, rank, world_size, device)
             net.train()
+            inflight.hold(sums)  # Gloo's thread must not be the last owner of a Python tensor at exit
             dist.all_reduce(sums)
             metrics = workload.metrics(sums.cpu())
             emit({"event": "eval", "step": step, "train_time_s": train_time, **metrics})

@@ -30,14 +30,26 @@ Holding the tensor's Python object alone is not enough: the use count then falls
 the communication thread, and counting references from Python cannot tell whether that thread has
 already taken the GIL for it (measured: 1 aborted rank in 36 two-rank jobs, see
 ``tests/test_clean_exit.py``).
+
+A *blocking* collective has the same window: ``work.wait()`` returns once the work is complete, but
+Gloo's thread destroys the work -- and releases the tensors it owns -- only afterwards. A script
+that ends right after its last collective (``full_state_dict()`` before the final ``torch.save`` is
+the common one) can begin finalizing inside that window. Measured stack of such an abort, a rank of
+a test that saved a checkpoint at its end: Gloo's thread in ``ProcessGroupGloo::runLoop`` ->
+``~AsyncAllgatherWork`` -> ``~vector<vector<Tensor>>`` -> ``TensorImpl::decref_pyobject`` ->
+``THPVariable_dealloc`` -> ``PyEval_RestoreThread`` -> ``pthread_exit`` -> ``std::terminate``, while
+the main thread was in ``Py_FinalizeEx`` -> ``gc`` -> ``~ProcessGroupGloo``, waiting for that thread.
+:func:`all_gather_object` is the gather gradcomp's blocking collectives use: every tensor it hands
+to Gloo is held, so the exit waits for Gloo's thread to let go of them.
 """
 from __future__ import annotations
 
 import atexit
+import io
 import threading
 import time
 import weakref
-from typing import Callable, List, Set, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 import torch
 
@@ -113,3 +125,32 @@ def wait_until_released(timeout_s: float = EXIT_WAIT_S) -> bool:
             return False
         time.sleep(0.001)
     return True
+
+
+def all_gather_object(obj: Any, group: Optional[object] = None) -> List[Any]:
+    """Every rank's ``obj`` in rank order, as ``torch.distributed.all_gather_object`` gives it, with
+    every tensor handed to the collectives held until Gloo's thread lets go (see the module
+    docstring). Blocking; every rank of ``group`` (default: the default group) must call it.
+
+    ``obj`` travels as ``torch.save`` bytes and is read back with ``torch.load(weights_only=True)``:
+    tensors, numbers, strings, ``None`` and dicts, lists and tuples of them. What a peer sends is
+    data, never code to run (``all_gather_object`` unpickles whatever arrives).
+    """
+    import torch.distributed as dist
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    mine = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    world_size = dist.get_world_size(group)
+    size = torch.tensor([mine.numel()], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    hold(size, *sizes)
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    hold(padded, *parts)
+    dist.all_gather(parts, padded, group=group)
+    return [torch.load(io.BytesIO(part[:length].numpy().tobytes()), weights_only=True)
+            for part, length in zip(parts, lengths)]

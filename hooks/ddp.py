@@ -209,10 +209,8 @@ class CompressionState:
         """
         from gradcomp.checkpoint import all_ranks
 
-        mine = self.state_dict()
-        gathered = [None] * self.engine.transport.world_size
-        dist.all_gather_object(gathered, mine, group=self.engine.transport.process_group)
-        return all_ranks(gathered)
+        # Held gather: the script usually saves and ends right after it (see gradcomp.inflight).
+        return all_ranks(inflight.all_gather_object(self.state_dict(), group=self.engine.transport.process_group))
 
     def load_state_dict(self, state_dict: dict, unknown_residuals: str = "raise") -> None:
         """Restore :meth:`state_dict` or this rank's part of :meth:`full_state_dict` (from DDP or the

@@ -33,6 +33,7 @@ except ImportError as error:  # pragma: no cover - exercised only without lightn
         "(or pip install 'lightning==2.6.*')"
     ) from error
 
+from gradcomp import inflight
 from gradcomp.compressors.base import Compressor
 from gradcomp.hooks import ddp as gc_ddp
 
@@ -137,9 +138,9 @@ class GradcompCallback(Callback):
             return
         mine = self.state.state_dict()
         if dist.is_available() and dist.is_initialized():
-            # Every rank runs dump_checkpoint, so this collective is matched on all ranks.
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
+            # Every rank runs dump_checkpoint, so this collective is matched on all ranks; the gather
+            # holds its tensors until Gloo lets go (a checkpoint is often the run's last collective).
+            everyone = inflight.all_gather_object(mine)
         else:
             everyone = [mine]
         checkpoint[CHECKPOINT_KEY] = {"world_size": len(everyone), "ranks": everyone}

@@ -222,3 +222,33 @@ def transport_holds(rank, world_size):
         return report
     finally:
         inflight.hold = original
+
+
+def gathers_hold(rank, world_size):
+    """Gather every rank's gradcomp state the way a loop that saves one file does
+    (``state.full_state_dict()``), spying on ``torch.distributed.all_gather`` (the real one still
+    runs): ``(tensors held, tensors handed to Gloo)`` as sets of ``(data_ptr, numel)``, and whether
+    every rank's state came back."""
+    from gradcomp import inflight
+
+    held, handed = [], []
+    original_hold, original_gather = inflight.hold, dist.all_gather
+
+    def recording_hold(*tensors):
+        held.extend(tensors)
+        original_hold(*tensors)
+
+    def recording_gather(outputs, tensor, *args, **kwargs):
+        handed.extend([*outputs, tensor])
+        return original_gather(outputs, tensor, *args, **kwargs)
+
+    inflight.hold, dist.all_gather = recording_hold, recording_gather
+    try:
+        model = make_model("mlp")
+        state = gc_ddp.register(DDP(model), gradcomp.TopK(0.05), warmup_steps=0, min_numel=0)
+        full = state.full_state_dict()
+        keys = lambda tensors: {(t.data_ptr(), t.numel()) for t in tensors}  # noqa: E731
+        return {"held": keys(held), "handed": keys(handed), "ranks": len(full["ranks"]),
+                "released": inflight.wait_until_released(timeout_s=10.0)}
+    finally:
+        inflight.hold, dist.all_gather = original_hold, original_gather

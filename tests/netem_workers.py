@@ -16,6 +16,8 @@ def main(rank: int, world_size: int, port: int, join: bool) -> None:
     import torch
     import torch.distributed as dist
 
+    from gradcomp import inflight
+
     torch.set_num_threads(1)
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
@@ -23,12 +25,12 @@ def main(rank: int, world_size: int, port: int, join: bool) -> None:
         tensor = torch.full((1 << 18,), float(rank + 1))  # 1 MB
         for _ in range(3):
             total = tensor.clone()
+            inflight.hold(total)  # Gloo's thread must not be its last owner at exit
             dist.all_reduce(total)
             expected = world_size * (world_size + 1) / 2
             if not bool((total == expected).all()):
                 raise SystemExit(f"rank {rank}: allreduce gave {total[:4].tolist()}, expected {expected}")
-        addresses = [None] * world_size
-        dist.all_gather_object(addresses, os.environ["MASTER_ADDR"])
+        inflight.all_gather_object(os.environ["MASTER_ADDR"])  # held: the job's last collective
     finally:
         dist.destroy_process_group()
     print(f"ok {rank} {os.environ['GLOO_SOCKET_IFNAME']}", flush=True)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
+from gradcomp import inflight
 from gradcomp.engine import SettingsMismatchError
 from gradcomp.hooks import ddp as gc_ddp
 from gradcomp.optim import FrozenVarianceAdam
@@ -88,11 +89,13 @@ def fuzz_worker(rank, world_size, configs, deadline_s):
         late = int(time.monotonic() - started > deadline_s)
         local = torch.tensor([outcome, step, late], dtype=torch.int64)
         gathered = [torch.empty_like(local) for _ in range(world_size)]
+        inflight.hold(local, *gathered)  # Gloo's thread must not be the last owner at exit
         dist.all_gather(gathered, local)
         outcomes = [(int(g[0]), int(g[1])) for g in gathered]
         equal = None
         if all(o == OK for o, _ in outcomes):
             params = [torch.empty_like(flat) for _ in range(world_size)]
+            inflight.hold(flat, *params)
             dist.all_gather(params, flat)
             equal = all(torch.equal(params[0].view(torch.int32), p.view(torch.int32)) for p in params[1:])
         results.append({"outcomes": outcomes, "equal": equal, "error": error, "seconds": time.monotonic() - began})

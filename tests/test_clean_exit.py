@@ -79,3 +79,11 @@ def test_every_tensor_the_ddp_transport_hands_to_gloo_is_held_first(tmp_path):
         assert report.pop("released")
         for collective, (held, handed) in report.items():
             assert handed <= held, f"{collective}: handed to Gloo but not held: {handed - held}"
+
+
+@pytest.mark.multiprocess
+def test_every_tensor_of_a_one_file_checkpoint_gather_is_held_first(tmp_path):
+    # full_state_dict() is often a script's last collective (the final torch.save follows it).
+    for report in multiprocess.spawn(workers.gathers_hold, 2, tmp_path):
+        assert report["ranks"] == 2 and report["released"]
+        assert report["handed"] and report["handed"] <= report["held"], report["handed"] - report["held"]

@@ -57,4 +57,5 @@ def test_table_and_plots_are_written(quick_study):
     assert runs.count("| charlm-tiny |") == len(rows)  # one line per run
     assert cells.count("| charlm-tiny |") == len({(r["optimizer"], r["method"]) for r in rows})  # one per cell
     assert (out / "charlm-tiny_sgdm_loss_vs_step.png").stat().st_size > 1000
-    assert (out / "charlm-tiny_sgdm_loss_vs_time.png").stat().st_size > 1000
+    # time on a link is plotted by experiments.time_to_accuracy, not by the step-count study
+    assert not (out / "charlm-tiny_sgdm_loss_vs_time.png").exists()
