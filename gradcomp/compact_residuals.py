@@ -57,6 +57,9 @@ class CompactResiduals:
         self._stored: Dict[Hashable, torch.Tensor] = {}
         # keys of a group being exchanged -> (their numels, e, e'): float32, laid out like the group.
         self._working: Dict[Tuple[Hashable, ...], Tuple[Tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+        #: The most bytes one group's working pair took (what a rank holds on top of :meth:`nbytes` while a
+        #: group is exchanged).
+        self.peak_working_bytes = 0
 
     def settings(self) -> dict:
         """What ranks compare before exchanging (:mod:`gradcomp.agreement`)."""
@@ -82,6 +85,7 @@ class CompactResiduals:
             offset += numel
         spare = torch.empty_like(residual)
         self._working[tuple(keys)] = (numels, residual, spare)
+        self.peak_working_bytes = max(self.peak_working_bytes, 2 * residual.numel() * residual.element_size())
         return residual, spare
 
     def commit(self, keys: Sequence[Hashable], accept: Union[bool, torch.Tensor] = True) -> None:
