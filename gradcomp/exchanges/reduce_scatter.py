@@ -189,7 +189,9 @@ class CompressedReduceScatter(Exchange):
             for payload in received:  # rank order: the sum every simulation of the ranks computes
                 compressor.decompress_add(payload, average, context.backend)
             average.div_(world_size)
-            verdict[2] = (~torch.isfinite(average).all()).to(torch.int32)  # stays on the device
+            # Judged in the gradient's dtype, as the engine judges what a group receives (a float16 overflow
+            # commits nothing); the decision stays on the device until finish() reads the verdicts.
+            verdict[2] = (~torch.isfinite(average.to(source.dtype)).all()).to(torch.int32)
         handle.wire = verdict.view(torch.uint8)
         handle.compress_s += time.perf_counter() - started
 
