@@ -172,8 +172,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                         help="fsdp: every run under FSDP2's fully_shard (experiments.fsdp_train; methods "
                              "noop, dense, topk, twobit); records get \"parallel\": \"fsdp\"")
+    parser.add_argument("--planned-steps", type=int, help="--parallel fsdp: the recipe plans for this many steps "
+                        "(default: the run's); the steps after keep its final setting, so time that")
     args = parser.parse_args(argv)
     args.mode = args.mode or "quick"
+    if args.planned_steps is not None and args.parallel != "fsdp":
+        parser.error("--planned-steps goes with --parallel fsdp")
     if args.parallel == "fsdp" and args.mode == "quick":
         parser.error("--parallel fsdp runs with --matrix, --full or --tiny (the quick mode's studies are DDP's; "
                      "python -m experiments.convergence --parallel fsdp gives held-out losses under FSDP)")
@@ -254,6 +258,8 @@ def execute(run: Run, args, runs_dir: str) -> dict:
         "--eval-every", str(run.plan.eval_every if run.steps > run.plan.eval_every else 0),
         "--log", run.log, "--no-progress", "--max-time", str(timeout - 15), "--timeout", "300",
     ]  # fmt: skip
+    if fsdp and args.planned_steps:
+        command += ["--planned-steps", str(args.planned_steps)]
     if os.path.exists(run.log):
         os.remove(run.log)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -189,8 +189,8 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
         workload, loop = _build(job)
         model = shard(workload.build_model())
         optimizer, scheduler = loops.build_optimizer(loop, model)
-        telemetry, recipe = attach(model, job["method"], optimizer, scheduler, loop.steps, job["density"],
-                                   **job["residuals"])
+        telemetry, recipe = attach(model, job["method"], optimizer, scheduler, job.get("planned_steps") or loop.steps,
+                                   job["density"], **job["residuals"])
         if telemetry.state is not None:  # JIT compilation before training, out of the step times (as train does)
             job["kernel_warmup_s"] = train.warm_up_kernels(telemetry.state.engine.compressor, None,
                                                            torch.device("cpu"))
@@ -286,6 +286,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     extra.add_argument("--residual-dtype", choices=("float32", "bfloat16"), default="float32")
     extra.add_argument("--residual-share", type=float, default=1.0)
     extra.add_argument("--study-spec")
+    extra.add_argument("--planned-steps", type=int, help="the recipe's total_steps (default --steps): a longer run "
+                       "keeps the final setting, so its step times are the final setting's")
     known, rest = extra.parse_known_args(argv)
     args = train.parse_args(rest)
     residuals = {"residual_dtype": getattr(torch, known.residual_dtype), "residual_share": known.residual_share}
@@ -298,7 +300,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         described = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
         args.job = {"train": {**vars(args), "overrides": overrides}, "method": args.compressor,
                     "density": args.density, "residuals": residuals, "eval_every": args.eval_every,
-                    "batch_size": args.batch_size, "describe": described}
+                    "batch_size": args.batch_size, "describe": {**described, "planned_steps": known.planned_steps},
+                    "planned_steps": known.planned_steps}
     if args.job["method"] not in METHODS:
         raise SystemExit(f"fsdp_train: --compressor {args.job['method']!r} does not run under FSDP; "
                          f"choose one of {METHODS}")
