@@ -10,6 +10,7 @@ import torch
 
 import fsdp_workers as workers
 import multiprocess
+from fsdp_simulation import local_gradients, simulate
 
 
 def assert_same(actual: dict, expected: dict, what: str) -> None:
@@ -32,7 +33,7 @@ def assert_run_matches(results, expected, what: str) -> None:
 def test_fsdp_quick_topk_matches_the_simulation_identity_is_fsdps_own_and_adam_is_refused(tmp_path):
     results = multiprocess.spawn(workers.quick, 2, str(tmp_path), timeout_s=400)
     case = {"spec": "topk:0.2", "steps": 3, "dense_at": (1,), "momentum": 0.9}
-    assert_run_matches([r["topk"] for r in results], workers.simulate(2, case), "top-k")
+    assert_run_matches([r["topk"] for r in results], simulate(2, case), "top-k")
     modes = {group["mode"] for group in results[0]["topk"]["stats"]["last_step"]["groups"].values()}
     assert modes == {"reduce_scatter"}
     assert_run_matches([r["identity"] for r in results], results[0]["fsdp"], "Identity against FSDP's own")
@@ -68,7 +69,7 @@ def test_fsdp_compressed_reduce_scatter_matches_the_simulation(tmp_path, world_s
         pytest.importorskip("numba")
     results = multiprocess.spawn(workers.train, world_size, str(tmp_path), case, timeout_s=600)
     specs = results[0]["specs"] if case.get("recipe") else None
-    expected = workers.simulate(world_size, case, specs)
+    expected = simulate(world_size, case, specs)
     assert_run_matches(results, expected, str(case))
     if case.get("recipe"):
         assert specs[0] is None and specs[-1] == "topk:0.1", specs  # a dense start, then compression
@@ -108,7 +109,7 @@ def test_fsdp_identity_is_fsdps_own_reduce_scatter_and_the_lossless_compressed_p
     orders of a sum of P terms differ by at most (P - 1) eps sum_r |g_r| (to first order), and / P is
     exact, so at the first step, from the same parameters: |d| <= (P - 1) eps sum_r |g_r| / P."""
     results = multiprocess.spawn(workers.lossless, world_size, str(tmp_path), timeout_s=600)
-    local = workers.local_gradients(world_size, step=0)
+    local = local_gradients(world_size, step=0)
     eps = torch.finfo(torch.float32).eps
     for rank, result in enumerate(results):
         assert_run_matches([result["identity"]], result["fsdp"], f"Identity, rank {rank}")
