@@ -70,7 +70,7 @@ GRADCOMP_METHODS = tuple(name for name, method in METHODS.items() if method.comp
 
 #: The fields of a comparison record (``summary.json``/``summary.csv``), in column order.
 RECORD_FIELDS = (
-    "workload", "method", "link", "link_requested", "shaped", "link_fallback", "status",
+    "workload", "method", "parallel", "link", "link_requested", "shaped", "link_fallback", "status",
     "steps", "step_time_s", "step_time_over_floor", "compute_s", "compress_s", "comm_s",
     "bytes_per_step", "dense_bytes_per_step", "compression_ratio", "wire_bytes_per_step",
     "final_loss", "final_train_loss", "accuracy", "train_time_s", "twobit_threshold",

@@ -80,6 +80,8 @@ from experiments.catalog import ALL_METHODS, METHODS, RECORD_FIELDS, TIMING_METH
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_MODULE = "experiments.train"
 DEFAULT_LINKS = ("unshaped", "1gbit")
+#: The methods of ``--parallel fsdp`` (``experiments.fsdp_train.METHODS``, not imported: it imports torch).
+FSDP_METHODS = ("noop", "dense", "topk", "twobit")
 WARMUP_SKIP = 5  # steps left out of medians (capped at half the run)
 
 
@@ -167,8 +169,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--run-timeout", type=float, help="seconds per run (default: from steps and workload)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                        help="fsdp: every run under FSDP2's fully_shard (experiments.fsdp_train; methods "
+                             "noop, dense, topk, twobit); records get \"parallel\": \"fsdp\"")
+    parser.add_argument("--planned-steps", type=int, help="--parallel fsdp: the recipe plans for this many steps "
+                        "(default: the run's); the steps after keep its final setting, so time that")
     args = parser.parse_args(argv)
     args.mode = args.mode or "quick"
+    if args.planned_steps is not None and args.parallel != "fsdp":
+        parser.error("--planned-steps goes with --parallel fsdp")
+    if args.parallel == "fsdp" and args.mode == "quick":
+        parser.error("--parallel fsdp runs with --matrix, --full or --tiny (the quick mode's studies are DDP's; "
+                     "python -m experiments.convergence --parallel fsdp gives held-out losses under FSDP)")
     if args.mode == "quick":
         return args
     plans = plans_for(args.mode)
@@ -201,6 +213,8 @@ def plan_runs(args) -> List[Run]:
     runs = []
     for plan in args.plans.values():
         methods = [m for m in plan.methods if args.method_filter is None or m in args.method_filter]
+        if args.parallel == "fsdp":  # what runs under FSDP (experiments.fsdp_train.METHODS)
+            methods = [m for m in methods if m in FSDP_METHODS]
         if methods and "noop" not in methods:
             methods = ["noop", *methods]  # the floor that step_time_over_floor divides by
         for index, rate in enumerate(args.rates):
@@ -233,16 +247,19 @@ def _timeout_for(run: Run, args) -> float:
 
 def execute(run: Run, args, runs_dir: str) -> dict:
     """Run one ``experiments.train`` over its link; return its record (without floor-relative fields)."""
-    stem = f"{run.plan.name}__{run.link_name}__{run.method}"
+    fsdp = args.parallel == "fsdp"
+    stem = f"{run.plan.name}__{run.link_name}__{run.method}" + ("__fsdp" if fsdp else "")
     run.log = os.path.join(runs_dir, stem + ".jsonl")
     timeout = _timeout_for(run, args)
     command = [
-        sys.executable, "-m", TRAIN_MODULE, *run.plan.train_args,
+        sys.executable, "-m", "experiments.fsdp_train" if fsdp else TRAIN_MODULE, *run.plan.train_args,
         "--compressor", run.method, "--density", repr(args.density), "--steps", str(run.steps),
         "--seed", str(args.seed), "--nproc", str(args.nproc), "--threads", str(args.threads),
         "--eval-every", str(run.plan.eval_every if run.steps > run.plan.eval_every else 0),
         "--log", run.log, "--no-progress", "--max-time", str(timeout - 15), "--timeout", "300",
     ]  # fmt: skip
+    if fsdp and args.planned_steps:
+        command += ["--planned-steps", str(args.planned_steps)]
     if os.path.exists(run.log):
         os.remove(run.log)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -261,6 +278,7 @@ def execute(run: Run, args, runs_dir: str) -> dict:
     record.update(
         workload=run.plan.name,
         method=run.method,
+        parallel=args.parallel,
         steps=run.steps,
         nproc=args.nproc,
         threads=args.threads,

@@ -49,6 +49,7 @@ def summarize(spec, path: str) -> Optional[dict]:
         **asdict(spec),
         "buckets": config.get("buckets", "default"),
         "engine": config.get("engine", "ddp"),
+        "parallel": config.get("parallel", "ddp"),
         "final_loss": final["eval_loss"],
         "final_accuracy": final.get("accuracy"),
         "bytes_total": bytes_total,
@@ -67,10 +68,13 @@ def summarize(spec, path: str) -> Optional[dict]:
 
 def add_dense_comparisons(rows: List[dict]) -> None:
     """``time_to_dense_loss_s`` and ``gap_to_dense`` against the dense run of the same
-    workload, optimizer, seed and steps."""
-    dense = {(r["workload"], r["optimizer"], r["seed"], r["steps"]): r for r in rows if r["method"] == "dense"}
+    workload, optimizer, seed, steps and parallelism (DDP or FSDP)."""
+    def cell(r):  # FSDP runs compare with FSDP's dense
+        return r["workload"], r["optimizer"], r["seed"], r["steps"], r.get("parallel", "ddp")
+
+    dense = {cell(r): r for r in rows if r["method"] == "dense"}
     for row in rows:
-        reference = dense.get((row["workload"], row["optimizer"], row["seed"], row["steps"]))
+        reference = dense.get(cell(row))
         row["time_to_dense_loss_s"] = None
         row["gap_to_dense"] = None
         row["time_vs_dense"] = None

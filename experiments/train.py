@@ -550,8 +550,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def spawn(args: argparse.Namespace) -> int:
-    """Run ``args.nproc`` local ranks, bounded by ``args.max_time``; the exit status.
+def spawn(args: argparse.Namespace, target: Optional[Callable] = None) -> int:
+    """Run ``args.nproc`` local ranks of ``target(rank, world_size, local_rank, args)`` (default
+    :func:`run_rank`; ``experiments.fsdp_train`` passes its own), bounded by ``args.max_time``; the exit status.
 
     Plain ``multiprocessing`` with the spawn method: the parent never imports torch,
     which saves seconds per run on a small machine. A rank that fails prints its own
@@ -569,7 +570,8 @@ def spawn(args: argparse.Namespace) -> int:
     os.environ["MASTER_PORT"] = str(free_port())
     context = multiprocessing.get_context("spawn")
     processes = [
-        context.Process(target=run_rank, args=(rank, args.nproc, rank, args), name=f"rank{rank}", daemon=False)
+        context.Process(target=target or run_rank, args=(rank, args.nproc, rank, args), name=f"rank{rank}",
+                        daemon=False)
         for rank in range(args.nproc)
     ]
     for process in processes:

@@ -65,7 +65,7 @@ def settings_fingerprint(engine, groups: Sequence[Tuple[Sequence[int], torch.dty
         # Ranks that exchange differently, or where only some run a policy (it adds collectives), would hang.
         "exchange": exchange_settings(engine),
         "policy": slot_settings(engine.policy),
-        "error_feedback": engine.error_feedback and engine.compressor.uses_error_feedback,
+        "error_feedback": _feedback_settings(engine),
         "schedule": slot_settings(engine.schedule),
         "transform": slot_settings(engine.transform),
         "min_numel": engine.min_numel,
@@ -74,6 +74,14 @@ def settings_fingerprint(engine, groups: Sequence[Tuple[Sequence[int], torch.dty
         "group_numels": tuple(tuple(int(n) for n in numels) for numels, _ in groups),
         "group_dtypes": tuple(str(dtype) for _, dtype in groups),
     }
+
+
+def _feedback_settings(engine) -> object:
+    """Whether residuals are kept, with how a residual memory that states settings stores them (FSDP's
+    :class:`~gradcomp.compact_residuals.CompactResiduals`: its dtype changes what a rank sends)."""
+    kept = engine.error_feedback and engine.compressor.uses_error_feedback
+    stated = getattr(engine.residual_memory, "settings", None)
+    return (kept, stated()) if callable(stated) else kept
 
 
 def exchange_settings(engine) -> object:

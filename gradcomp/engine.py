@@ -151,13 +151,13 @@ class Engine:
         self.min_numel = settings.check_count("min_numel", min_numel)
         self.error_feedback = bool(error_feedback)
         self.backend = settings.check_backend_name(backend)
-        self.schedule = schedule
-        self.transform = transform
+        self.schedule, self.transform = schedule, transform
+        scatters = bool(getattr(transport, "scatters", False))  # FSDP's reduce-scatter: each rank gets a chunk
         #: The name of the exchange chosen for payloads that cannot be summed.
-        self.exchange = exchanges.check_selectable(exchange)
-        #: The exchanges tried for each group, in order (:func:`gradcomp.exchanges.chain`); they hold
-        #: their own state (the two-phase exchange's second-stage residuals).
-        self.exchanges: Tuple[Exchange, ...] = exchanges.chain(exchange, granularity=granularity,
+        self.exchange = exchanges.check_selectable(exchange, scatters)
+        #: The exchanges tried for each group, in order (:func:`gradcomp.exchanges.chain`, fixed here by the
+        #: transport); they hold their own state (the two-phase exchange's second-stage residuals).
+        self.exchanges: Tuple[Exchange, ...] = exchanges.chain(exchange, scatters, granularity=granularity,
                                                                min_numel=self.min_numel)
         for held in self.exchanges:
             if transform is not None and held.no_transform_reason is not None:
@@ -323,8 +323,8 @@ class Engine:
         return self.transform.before_compress(handle.keys, handle.numels, grad.float())
 
     def _commit(self, context: ExchangeContext, handle: Handle, average: torch.Tensor) -> None:
-        """Commit ``e'`` (the state of an exchange that keeps some, and the transform's) only if ``average``
-        is finite; the decision stays a device tensor, read at the next use of these residuals.
+        """Commit ``e'`` (and the state of an exchange or transform that keeps some) only if the exchange accepts
+        the step (``average`` finite on every rank); a device-tensor decision is read at the next use.
 
         ``average`` is what the group's gradient received, in the gradient's dtype (every
         exchange returns the gradient itself after the write), so a result finite in float32
@@ -340,7 +340,7 @@ class Engine:
         feedback = not exchange.sends_gradient and handle.compressor.uses_error_feedback and self.error_feedback
         if not feedback and self.transform is None:
             return
-        accept = torch.isfinite(average).all()
+        accept = exchange.accept(context, handle, average)
         if feedback:
             self.residual_memory.commit(handle.keys, accept)
             if exchange.state_key is not None:

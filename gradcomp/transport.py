@@ -23,6 +23,9 @@ class Transport:
 
     world_size: int = 1
     rank: int = 0
+    #: Every group's result is this rank's chunk of the average (FSDP's reduce-scatter): the engine then
+    #: runs only the scattering exchanges (:attr:`gradcomp.exchanges.Exchange.scatters`).
+    scatters: bool = False
 
     def allreduce_average(self, tensor: torch.Tensor, name: str):
         """Start averaging ``tensor`` in place over the ranks, exactly as the framework's own
@@ -39,6 +42,12 @@ class Transport:
         and returns uint8 ``[P * block]``, rank ``i``'s block for this rank at ``i * block``. Only
         exchanges that scatter chunks need it."""
         raise NotImplementedError(f"{type(self).__name__} has no all_to_all; use exchange={DEFAULT_EXCHANGE!r}")
+
+    def reduce_scatter_average(self, tensor: torch.Tensor, name: str):
+        """Start averaging ``tensor`` (``[P * c]``, chunk ``j`` for rank ``j``) over the ranks, exactly as
+        the framework's own dense reduce-scatter does, keeping this rank's chunk; the result is ``[c]``.
+        Only a transport that :attr:`scatters` has it."""
+        raise NotImplementedError(f"{type(self).__name__} does not scatter")
 
     def can_allreduce(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether ``allreduce_average`` can sum ``dtype`` tensors (else payloads are gathered)."""

@@ -323,7 +323,8 @@ def _ddp_of(model) -> torch.nn.parallel.DistributedDataParallel:
         return inner
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register() needs a DistributedDataParallel model (or torch.compile of one), "
-                        f"got {type(model).__name__}")
+                        f"got {type(model).__name__}; a fully_shard (FSDP2) model registers with "
+                        "gradcomp.hooks.fsdp.register")
     if getattr(model, "_use_python_reducer", False):
         # Compiled autograd's Python reducer calls a comm hook once per parameter as
         # hook(state, (grad, param)) and ignores what it returns: no bucket, no future, no exchange.

@@ -13,6 +13,7 @@ import gradcomp
 from gradcomp import costmodel, exchanges
 from gradcomp.engine import Engine, Transport
 from gradcomp.exchanges import registry
+from gradcomp.settings import TRANSFORM_METHODS
 from gradcomp.telemetry import Telemetry
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -69,7 +70,28 @@ def test_an_engine_tries_the_automatic_exchanges_then_its_own_then_the_default()
         "two_phase", "allgather"]
 
 
-@pytest.mark.parametrize("name", ["ring", "dense", "hierarchical", "sparse", None])
+class Scattering(OneRank):
+    """A transport that scatters (FSDP's reduce-scatter), of one rank."""
+
+    scatters = True
+
+
+def test_a_transport_that_scatters_gets_the_scattering_exchanges_only():
+    assert exchanges.names(scatters=True) == ("dense_reduce_scatter", "reduce_scatter")
+    engine = Engine(gradcomp.TopK(0.1), Scattering(), exchange="reduce_scatter")
+    assert [e.name for e in engine.exchanges] == ["dense_reduce_scatter", "reduce_scatter"]
+    assert engine.exchange_for(None, 4096, torch.float32, "cpu").name == "dense_reduce_scatter"
+    assert engine.exchange_for(gradcomp.Identity(), 4096, torch.float32, "cpu").name == "dense_reduce_scatter"
+    assert engine.exchange_for(gradcomp.TopK(0.1), 4096, torch.float32, "cpu").name == "reduce_scatter"
+    with pytest.raises(ValueError, match=r"one of \('reduce_scatter',\) under a transport that scatters"):
+        Engine(gradcomp.TopK(0.1), Scattering())  # the default, allgather, cannot give each rank its chunk
+    stage = type("Stage", (), {name: lambda *a: None for name in TRANSFORM_METHODS})()
+    with pytest.raises(ValueError, match="exchange='reduce_scatter' takes no optimizer-aware transform"):
+        Engine(gradcomp.TopK(0.1), Scattering(), exchange="reduce_scatter", transform=stage)
+
+
+@pytest.mark.parametrize("name", ["ring", "dense", "hierarchical", "sparse", "reduce_scatter", "dense_reduce_scatter",
+                                  None])
 def test_only_a_selectable_exchange_can_be_chosen(name):
     with pytest.raises(ValueError, match=r"exchange must be one of \('allgather', 'two_phase'\)"):
         Engine(gradcomp.TopK(0.1), exchange=name)
@@ -114,7 +136,7 @@ def test_exactly_one_automatic_exchange_or_none_applies(dtype, can_allreduce):
 def test_who_averages_decides_what_a_sum_reduction_multiplies_back():
     """The Horovod drop-in multiplies by P for op=Sum where the exchange averaged on its own."""
     averaged = {name for name in exchanges.names(runnable=True) if exchanges.get(name).averages_itself}
-    assert averaged == {"allgather", "two_phase"}
+    assert averaged == {"allgather", "two_phase", "reduce_scatter"}
 
 
 def test_telemetry_takes_the_registered_names_only():

@@ -11,17 +11,21 @@ one :meth:`Exchange.applies`; then, for that one::
     -- the adapter awaits handle.work and hands its tensor back --
     finish(context, handle, result)                validate, decode-average into handle.grad; never blocks
     -- the engine decides the commit from what finish returned --
+    accept(context, handle, average)               whether the step commits (default: average is finite)
     commit(context, handle, accept)                the exchange's own state (two-phase's second stage)
 
 An exchange never sees the engine: :class:`ExchangeContext` carries the transport, the kernel
 backend and the telemetry's ``record``, and the engine calls :meth:`Exchange.commit` itself. The
 shape follows FSDP2's collective interfaces (``torch.distributed.fsdp``: one small class per
-collective, chosen by the framework, never asked which implementation it holds). A scattering
-exchange fits the same calls: FSDP's compressed reduce-scatter (``ReduceScatter.__call__(output,
-input, group, op, async_op)``; phase 1 of two-phase, each rank keeping its shard) would
-``compress`` the chunks of ``input``, ``start`` their all-to-all, and in ``finish`` validate and
-decode-average the owned chunk into ``output`` (carried on the handle by its adapter) and return
-that shard; the engine's commit rule then holds for the shard.
+collective, chosen by the framework, never asked which implementation it holds).
+
+Scattering exchanges (:attr:`Exchange.scatters`, :mod:`gradcomp.exchanges.reduce_scatter`) fit the
+same calls: ``handle.grad`` is the whole flat input of FSDP's reduce-scatter (``P`` equal chunks,
+chunk ``j`` for rank ``j``), and ``finish`` writes this rank's chunk of the average into this rank's
+chunk of ``handle.grad`` and returns that chunk, which the adapter hands to FSDP. An engine whose
+transport scatters (:attr:`gradcomp.transport.Transport.scatters`) tries only scattering exchanges,
+and no other engine tries them. Each rank then sees only its own chunk of the average, so such an
+exchange decides the commit for every rank alike in :meth:`Exchange.accept`.
 """
 from __future__ import annotations
 
@@ -93,6 +97,9 @@ class Exchange(abc.ABC):
     state_what: ClassVar[str] = ""
     #: The cost model lays its ranks out in nodes (dense inside, compressed between).
     node_aware: ClassVar[bool] = False
+    #: ``finish`` leaves only this rank's chunk of the average (FSDP's reduce-scatter; see the module
+    #: docstring): only an engine whose transport scatters tries it, and such an engine tries nothing else.
+    scatters: ClassVar[bool] = False
 
     def __init__(self, granularity: str = "parameter", min_numel: int = 0):
         self.granularity, self.min_numel = granularity, min_numel
@@ -130,6 +137,13 @@ class Exchange(abc.ABC):
         """Validate ``result`` (the collective's output), write the average into ``handle.grad`` and
         return what received it, in the gradient's dtype. Raises
         :class:`~gradcomp.validation.PayloadError` naming the sender before anything is written."""
+
+    def accept(self, context: ExchangeContext, handle: "Handle", average: torch.Tensor):
+        """Whether the step of ``handle``'s group commits its residuals (a bool or a 0-d device tensor,
+        the same on every rank): by default whether ``average`` (what :meth:`finish` returned, in the
+        gradient's dtype) is finite, which every rank decides alike because it decoded the same bytes.
+        Called by the engine after :meth:`finish`, for groups that keep residuals or run a transform."""
+        return torch.isfinite(average).all()
 
     def commit(self, context: ExchangeContext, handle: "Handle", accept) -> None:
         """Commit this exchange's own state of the step if ``accept`` (a bool or a 0-d device tensor,

@@ -70,21 +70,30 @@ def names(**attributes) -> Tuple[str, ...]:
                  if all(getattr(cls, key) == value for key, value in attributes.items()))
 
 
-def check_selectable(name) -> str:
-    """``name`` if ``Engine(exchange=name)`` may use it, else a ``ValueError`` that lists those that may."""
-    if name not in names(selectable=True):
-        raise ValueError(f"exchange must be one of {names(selectable=True)}, got {name!r}")
+def check_selectable(name, scatters: bool = False) -> str:
+    """``name`` if ``Engine(exchange=name)`` may use it, else a ``ValueError`` that lists those that may.
+    With ``scatters`` (the engine's transport is FSDP's reduce-scatter) the choice is among the
+    scattering exchanges that compress (``Exchange.scatters``), and only among them."""
+    allowed = names(scatters=True, sends_gradient=False) if scatters else names(selectable=True)
+    if name not in allowed:
+        under = " under a transport that scatters (FSDP's reduce-scatter)" if scatters else ""
+        raise ValueError(f"exchange must be one of {allowed}{under}, got {name!r}")
     return name
 
 
-def chain(name: str, **settings) -> tuple:
+def chain(name: str, scatters: bool = False, **settings) -> tuple:
     """The exchanges an engine configured with ``exchange=name`` tries for each group, in order:
     the automatic ones (mutually exclusive: a dense step, a summable payload), then ``name``, then
-    :data:`DEFAULT` for the groups ``name`` does not apply to. ``settings`` (the engine's
+    :data:`DEFAULT` for the groups ``name`` does not apply to. With ``scatters``: the scattering
+    exchanges that send the gradient itself (dense steps), then ``name``. ``settings`` (the engine's
     ``granularity`` and ``min_numel``) go to every constructor."""
-    classes = [cls for cls in _BY_NAME.values() if cls.automatic] + [get(check_selectable(name))]
-    if name != DEFAULT:
-        classes.append(get(DEFAULT))
+    chosen = get(check_selectable(name, scatters))
+    if scatters:
+        classes = [cls for cls in _BY_NAME.values() if cls.scatters and cls.sends_gradient] + [chosen]
+    else:
+        classes = [cls for cls in _BY_NAME.values() if cls.automatic] + [chosen]
+        if name != DEFAULT:
+            classes.append(get(DEFAULT))
     return tuple(cls(**settings) for cls in classes)
 
 

@@ -1,0 +1,320 @@
+"""FSDP2 training runner: one workload, one method, N ranks, every module under ``fully_shard``.
+
+The FSDP twin of :mod:`experiments.train` (``--parallel fsdp`` of :mod:`experiments.compare`) and of the
+convergence study's ranks (``--parallel fsdp`` of :mod:`experiments.convergence`, :func:`run_study`). Each
+transformer block (every child of a ``ModuleList``) and then the whole model are wrapped with
+``fully_shard``; the methods (``--compressor``):
+
+========  ======================================================================================
+noop      no communication: each rank keeps its own row of its own gradient (the compute floor)
+dense     FSDP's own reduce-scatter (``ReduceOp.AVG``)
+topk      ``gradcomp.hooks.fsdp.register(model, "topk:<density>", ...)`` with the one-call recipe
+twobit    the same with ``"twobit:chunk"``
+========  ======================================================================================
+
+The recipe under FSDP: SGD (with momentum) takes the whole recipe (``optimizer=``); AdamW's stage cannot
+run sharded, so AdamW takes the recipe's dense start and ramp without it (``total_steps=`` and
+``scheduler=`` only), which the log records as ``"recipe"``. Logs are :mod:`experiments.train`'s (config,
+step, eval, summary) plus ``done``, with ``"parallel": "fsdp"`` and ``"engine": "fsdp"`` in the config,
+and gradcomp's residual bytes per rank (``residual_bytes``; ``--residual-dtype``, ``--residual-share``).
+
+Examples (from the repository root)::
+
+    python -m experiments.fsdp_train --workload charlm --compressor topk --steps 30 --log /tmp/fsdp.jsonl
+    python -m experiments.compare --matrix --parallel fsdp --workloads charlm --links 1gbit \\
+        --methods noop,dense,topk,twobit --out results/fsdp
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+from experiments import train
+
+#: What ``--compressor`` may be under FSDP, and gradcomp's spec of each compressed one.
+METHODS = ("noop", "dense", "topk", "twobit")
+SPECS = {"topk": "topk:{density}", "twobit": "twobit:chunk"}
+
+
+def shard(net):
+    """``fully_shard`` every child of the model's ``ModuleList``s (transformer blocks), then the model."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(net.modules()):
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                fully_shard(child)
+    return fully_shard(net)
+
+
+class _Counted:
+    """FSDP's ``ReduceScatter`` for ``dense`` (its own collective, counted) and ``noop`` (no collective)."""
+
+    def __init__(self, counter: dict, communicate: bool):
+        self.counter, self.communicate = counter, communicate
+
+    def allocate(self, size, *, dtype, device):
+        import torch
+
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        import torch.distributed as dist
+
+        nbytes = input_tensor.numel() * input_tensor.element_size()
+        self.counter["dense"] += nbytes
+        self.counter["sent"] += nbytes if self.communicate else 0
+        if self.communicate:
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+        return None
+
+
+class Telemetry:
+    """Per-step ``bytes_sent``, ``dense_bytes``, ``compress_s`` of a method (gradcomp's from its stats)."""
+
+    def __init__(self, state=None):
+        self.state, self.counter = state, {"sent": 0, "dense": 0}
+
+    def end_step(self) -> dict:
+        if self.state is not None:
+            last = self.state.stats()["last_step"]
+            return {"bytes_sent": int(last["bytes_sent"]), "dense_bytes": int(last["dense_bytes"]),
+                    "compress_s": float(last["compress_s"])}
+        out = {"bytes_sent": self.counter["sent"], "dense_bytes": self.counter["dense"], "compress_s": 0.0}
+        self.counter.update(sent=0, dense=0)
+        return out
+
+
+def attach(model, method: str, optimizer, scheduler, steps: int, density: float = 0.01, **residuals):
+    """Install ``method`` on the FSDP ``model``; returns ``(Telemetry, what the recipe was given)``."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from gradcomp.hooks import fsdp as gc_fsdp
+
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} does not run under FSDP; choose one of {METHODS}")
+    if method in ("noop", "dense"):
+        telemetry = Telemetry()
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(_Counted(telemetry.counter, method == "dense"))
+        return telemetry, None
+    # AdamW's stage cannot run sharded (register says so): its recipe is the dense start and ramp alone.
+    stage = not isinstance(optimizer, torch.optim.Adam)
+    state = gc_fsdp.register(model, SPECS[method].format(density=density), optimizer=optimizer if stage else None,
+                             total_steps=steps, scheduler=scheduler, **residuals)
+    return Telemetry(state), "recipe" if stage else "recipe without its optimizer stage"
+
+
+def fsdp_step(model, workload, loop, optimizer, scheduler, rank: int, step: int, batch_size: int) -> float:
+    """One optimizer step of the workload's loop on an FSDP rank (accumulation without gradient sync)."""
+    from experiments import loop as loops
+
+    if loop.manual_lr:
+        loops.set_lr(loop, optimizer, step)
+    micro, losses = loop.accumulation, []
+    for m in range(micro):
+        x, y = workload.batch(rank, step * micro + m, batch_size)
+        model.set_requires_gradient_sync(m == micro - 1)
+        loss = workload.loss(model, x, y)
+        (loss / micro).backward()
+        losses.append(float(loss.detach()))
+    loops.before_step(loop, model, optimizer)  # clip_grad_norm_ on the DTensors: .grad is the average
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return sum(losses) / micro
+
+
+def _evaluate(model, workload, emit, step: int, train_time: float) -> dict:
+    """Held-out metrics; every rank evaluates every window (FSDP's forward is collective, so the ranks must run
+    the same number of forwards), all alike."""
+    import torch
+
+    model.eval()
+    sums = workload.evaluate_sums(model, 0, 1, torch.device("cpu"))
+    model.train()
+    metrics = workload.metrics(sums)
+    emit({"event": "eval", "step": step, "train_time_s": train_time, **metrics})
+    return metrics
+
+
+def _build(job: dict):
+    """``(workload, loop)`` of a job: a suite workload and its loop (the convergence study), or
+    :mod:`experiments.train`'s arguments (the comparison)."""
+    from experiments import loop as loops
+    from experiments import suite, workloads
+
+    if "suite" in job:
+        spec = job["suite"]
+        return (suite.build(spec["workload"], spec["seed"], spec["eval_windows"]),
+                loops.loop_for(spec["workload"], spec["optimizer"], spec["steps"]))
+    args = job["train"]
+    workload = workloads.build_workload(args["workload"], seed=args["seed"], small=args["small"],
+                                        charlm_overrides=args["overrides"], eval_windows=args["eval_windows"])
+    optimizer = "adamw" if args["optimizer"] == "adamw" else "sgdm"
+    lr = args["lr"] or (workload.default_lr if optimizer == "adamw" else 0.1)
+    warmup = args["lr_warmup"] if args["lr_warmup"] is not None else min(20, args["steps"] // 10)
+    return workload, loops.Loop(optimizer, lr, args["steps"], warmup)
+
+
+def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespace) -> None:
+    """Train ``args.job`` on this rank; rank 0 writes the log (see the module docstring)."""
+    from experiments import netem
+
+    netem.join_rank_namespace(rank)
+    train._set_thread_env(args.threads)
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from experiments import loop as loops
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=args.timeout))
+    log = open(args.log, "w") if (rank == 0 and args.log) else None
+    try:
+        job = args.job
+        workload, loop = _build(job)
+        model = shard(workload.build_model())
+        optimizer, scheduler = loops.build_optimizer(loop, model)
+        telemetry, recipe = attach(model, job["method"], optimizer, scheduler, job.get("planned_steps") or loop.steps,
+                                   job["density"], **job["residuals"])
+        if telemetry.state is not None:  # JIT compilation before training, out of the step times (as train does)
+            job["kernel_warmup_s"] = train.warm_up_kernels(telemetry.state.engine.compressor, None,
+                                                           torch.device("cpu"))
+        _train(model, workload, loop, optimizer, scheduler, telemetry, recipe, job, rank, world_size, log)
+        dist.barrier()
+    finally:
+        if log is not None:
+            log.close()
+        dist.destroy_process_group()
+
+
+def _train(model, workload, loop, optimizer, scheduler, telemetry, recipe, job, rank, world_size, log) -> None:
+    """The training loop of :func:`run_rank`: timed steps, evaluations, the log."""
+    import torch
+
+    def emit(record: dict) -> None:
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+
+    state, batch_size = telemetry.state, job.get("batch_size") or workload.default_batch_size
+    emit({"event": "config", **job["describe"], "parallel": "fsdp", "engine": "fsdp", "buckets": "fsdp modules",
+          "recipe": recipe, "residuals": {k: str(v) for k, v in job["residuals"].items()}, "world_size": world_size,
+          "kernel_warmup_s": job.get("kernel_warmup_s", 0.0),
+          "batch_size": batch_size, "loop": loop.describe(), "link": os.environ.get("GRADCOMP_LINK", "unshaped"),
+          "torch": torch.__version__, "params": sum(p.numel() for p in model.parameters())})
+    _evaluate(model, workload, emit, -1, 0.0)
+    train_time, step_times, losses = 0.0, [], []
+    for step in range(loop.steps):
+        tx_before = train._lo_tx_bytes()
+        started = time.perf_counter()
+        loss = fsdp_step(model, workload, loop, optimizer, scheduler, rank, step, batch_size)
+        step_time = time.perf_counter() - started
+        tx_after = train._lo_tx_bytes()
+        train_time += step_time
+        step_times.append(step_time)
+        losses.append(loss)
+        record = {"event": "step", "step": step, "loss": loss, "step_time_s": step_time, "train_time_s": train_time,
+                  **telemetry.end_step()}
+        if tx_before is not None and tx_after is not None:
+            record["wire_bytes"] = (tx_after - tx_before) / world_size
+        emit(record)
+        if job["eval_every"] and (step + 1) % job["eval_every"] == 0 and step + 1 < loop.steps:
+            _evaluate(model, workload, emit, step, train_time)
+    final = _evaluate(model, workload, emit, loop.steps - 1, train_time)
+    memory = state.engine.residual_memory if state is not None else None
+    emit({"event": "summary", "method": job["method"], "steps": loop.steps, "parallel": "fsdp",
+          "median_step_time_s": statistics.median(step_times[min(len(step_times) - 1, 4):]),
+          "train_time_s": train_time, "final_train_loss": statistics.fmean(losses[-max(1, min(10, len(losses) // 5)):]),
+          "residual_bytes": memory.nbytes() if memory is not None else 0,
+          "residual_working_peak_bytes": memory.peak_working_bytes if memory is not None else 0, **final})
+    emit({"event": "done", "steps": loop.steps, "train_time_s": train_time})
+
+
+def run_study(specs, runs_dir: str, args) -> int:
+    """Run the convergence study's ``specs`` (:class:`experiments.convergence.RunSpec`) as real FSDP jobs of
+    ``args.nproc`` ranks, one after another, unshaped; logs ``<stem>__fsdp.jsonl``. Returns the failures."""
+    from experiments.study_report import is_complete
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    failures = 0
+    for spec in specs:
+        if spec.method not in METHODS:
+            print(f"{spec.stem}: {spec.method} does not run under FSDP; skipped", flush=True)
+            continue
+        log_path = os.path.abspath(os.path.join(runs_dir, spec.stem + "__fsdp.jsonl"))
+        if is_complete(log_path):
+            continue
+        command = [sys.executable, "-m", "experiments.fsdp_train", "--study-spec", json.dumps(asdict(spec)),
+                   "--log", log_path, "--nproc", str(args.nproc), "--max-time", str(args.run_timeout)]
+        started = time.monotonic()
+        with open(log_path[: -len(".jsonl")] + ".out", "w") as output:
+            try:
+                status = subprocess.run(command, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                        timeout=args.run_timeout + 60).returncode
+            except subprocess.TimeoutExpired:
+                status = 124
+        ok = is_complete(log_path)
+        failures += not ok
+        print(f"{spec.stem} (fsdp): {'ok' if ok else 'FAILED'} (status {status}) in "
+              f"{time.monotonic() - started:.0f}s", flush=True)
+    return failures
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """:func:`experiments.train.parse_args`'s arguments (``--compressor`` one of :data:`METHODS`), plus
+    ``--residual-dtype``, ``--residual-share`` and ``--study-spec`` (a convergence RunSpec as JSON: its
+    workload, loop and length replace the others)."""
+    import torch
+
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--residual-dtype", choices=("float32", "bfloat16"), default="float32")
+    extra.add_argument("--residual-share", type=float, default=1.0)
+    extra.add_argument("--study-spec")
+    extra.add_argument("--planned-steps", type=int, help="the recipe's total_steps (default --steps): a longer run "
+                       "keeps the final setting, so its step times are the final setting's")
+    known, rest = extra.parse_known_args(argv)
+    args = train.parse_args(rest)
+    residuals = {"residual_dtype": getattr(torch, known.residual_dtype), "residual_share": known.residual_share}
+    if known.study_spec:
+        spec = json.loads(known.study_spec)
+        args.job = {"suite": spec, "method": spec["method"], "density": 0.01, "residuals": residuals,
+                    "eval_every": spec["eval_every"], "describe": spec}
+    else:
+        overrides = {"d_model": args.d_model, "layers": args.layers, "heads": args.heads, "context": args.context}
+        described = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        args.job = {"train": {**vars(args), "overrides": overrides}, "method": args.compressor,
+                    "density": args.density, "residuals": residuals, "eval_every": args.eval_every,
+                    "batch_size": args.batch_size, "describe": {**described, "planned_steps": known.planned_steps},
+                    "planned_steps": known.planned_steps}
+    if args.job["method"] not in METHODS:
+        raise SystemExit(f"fsdp_train: --compressor {args.job['method']!r} does not run under FSDP; "
+                         f"choose one of {METHODS}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    train._set_thread_env(args.threads)
+    if args.log:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log)), exist_ok=True)
+    return train.spawn(args, target=run_rank)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
