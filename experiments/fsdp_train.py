@@ -72,6 +72,9 @@ class _Counted:
         self.counter["dense"] += nbytes
         self.counter["sent"] += nbytes if self.communicate else 0
         if self.communicate:
+            from gradcomp import inflight
+
+            inflight.hold(input_tensor, output_tensor)  # Gloo's thread must not be their last owner at exit
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
         output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
         return None
