@@ -61,9 +61,24 @@ def summarize(spec, path: str) -> Optional[dict]:
         "final_train_loss": statistics.fmean(r["loss"] for r in steps[-max(1, min(50, len(steps) // 5)) :]),
         "link": config.get("link"),
         "evals": [(r["step"], r["train_time_s"], r["eval_loss"]) for r in evals],
+        # Bytes by eval, for time on a link (experiments.time_to_accuracy): the dense start and the ramp
+        # send more than the final setting, so the final setting's step time alone would flatter a run.
+        "bytes_to_eval": _bytes_to(steps, [r["step"] for r in evals]),
+        "final_bytes_share": steps[-1]["bytes_sent"] / steps[-1]["dense_bytes"] if steps[-1]["dense_bytes"] else 1.0,
         "eval_accuracy": [r["accuracy"] for r in evals] if "accuracy" in final else None,
         "log": os.path.relpath(path),
     }
+
+
+def _bytes_to(steps: List[dict], at: List[int]) -> List[List[int]]:
+    """``[sent, dense]``: the bytes sent and the bytes dense would have sent in steps ``0..a`` for
+    each ``a`` of ``at`` (ascending)."""
+    out, sent, dense, index = [], 0, 0, 0
+    for a in at:
+        while index < len(steps) and steps[index]["step"] <= a:
+            sent, dense, index = sent + steps[index]["bytes_sent"], dense + steps[index]["dense_bytes"], index + 1
+        out.append([sent, dense])
+    return out
 
 
 def add_dense_comparisons(rows: List[dict]) -> None:

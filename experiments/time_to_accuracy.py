@@ -6,8 +6,10 @@ link of the step-time benchmark (``step_times_*.json``, :mod:`experiments.step_t
 * the **target** is dense's final held-out loss x 1.02 (the same for every method of the cell);
 * ``steps_to_target``: the first evaluation at which the method's held-out loss reaches it (evals
   every 2% of the run; ``null``: never);
-* ``time_ratio_vs_dense``: ``steps_to_target x step_time`` over dense's time to its own final loss
-  (its first evaluation at that loss x dense's step time on the link).
+* ``time_ratio_vs_dense``: the method's time to the target over dense's time to its own final loss
+  (its first evaluation at that loss x dense's step time on the link). The method's time counts
+  each step by the bytes it sent: the dense start and the ramp cost more than the final setting
+  the benchmark times (:func:`run_time`; ``time_model`` says which model a row used).
 
 Output in ``--out``: ``time_to_accuracy.json``, one row per workload x optimizer x method x link
 with ``workload, optimizer, method, link, steps_to_target, step_time, spread, load_before,
@@ -28,17 +30,45 @@ import json
 import os
 from typing import Dict, List, Optional
 
-__all__ = ["rows_for", "main"]
+__all__ = ["rows_for", "run_time", "main"]
 
 TARGET_FACTOR = 1.02
 
 
-def _steps_to(evals: List[list], target: float) -> Optional[int]:
-    """Optimizer steps until the held-out loss first reaches ``target`` (``evals``: [step, time, loss])."""
-    for step, _, loss in evals:
+def _reached(evals: List[list], target: float) -> Optional[int]:
+    """The index of the first evaluation whose held-out loss reaches ``target`` (``evals``: [step,
+    time, loss]), or None."""
+    for index, (step, _, loss) in enumerate(evals):
         if step >= 0 and loss <= target:
-            return step + 1
+            return index
     return None
+
+
+def _steps_to(evals: List[list], target: float) -> Optional[int]:
+    """Optimizer steps until the held-out loss first reaches ``target``."""
+    index = _reached(evals, target)
+    return None if index is None else evals[index][0] + 1
+
+
+def run_time(run: dict, index: int, step_time: float, dense_step_time: float) -> tuple:
+    """Seconds a run takes to its ``index``-th evaluation on a link, and the model used.
+
+    The benchmark times each method at its final setting (``step_time``, sending ``b_c`` =
+    ``run["final_bytes_share"]`` of dense's bytes), dense at ``dense_step_time``. A step that sent
+    a share ``b`` of dense's bytes (the dense start, the ramp) costs the straight line between
+    them: ``t_c + (t_d - t_c) (b - b_c) / (1 - b_c)``; summed over the steps, only the run's
+    cumulative bytes are needed. Runs recorded without bytes by evaluation: every step at ``t_c``.
+    """
+    steps = run["evals"][index][0] + 1
+    share = run.get("final_bytes_share")
+    if run.get("bytes_to_eval") is None or share is None:
+        return steps * step_time, "final setting"
+    if share >= 1.0:
+        return steps * dense_step_time, "per-step bytes"
+    sent, dense = run["bytes_to_eval"][index]
+    shares = steps * sent / dense if dense else steps * share  # sum of the steps' shares
+    extra = max(0.0, shares - steps * share) / (1.0 - share)
+    return steps * step_time + (dense_step_time - step_time) * extra, "per-step bytes"
 
 
 def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
@@ -54,19 +84,21 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
             continue
         target = dense["final_loss"] * TARGET_FACTOR
         dense_steps = _steps_to(dense["evals"], dense["final_loss"])
-        steps = _steps_to(run["evals"], target)
+        reached = _reached(run["evals"], target)
+        steps = None if reached is None else run["evals"][reached][0] + 1
         for link in links:
             timed = _timing(times, workload, optimizer, method, link)
             dense_timed = _timing(times, workload, optimizer, "dense", link)
             if timed is None or dense_timed is None:
                 continue
-            ratio = None
-            if steps is not None and dense_steps:
-                ratio = steps * timed["step_time"] / (dense_steps * dense_timed["step_time"])
+            ratio, model = None, None
+            if reached is not None and dense_steps:
+                seconds, model = run_time(run, reached, timed["step_time"], dense_timed["step_time"])
+                ratio = seconds / (dense_steps * dense_timed["step_time"])
             row = {"workload": workload, "optimizer": optimizer, "method": method, "link": link,
                    "target_loss": target, "steps_to_target": steps, "step_time": timed["step_time"],
                    "spread": timed["spread"], "load_before": timed.get("load_before"),
-                   "step_times_of": timed["workload"], "time_ratio_vs_dense": ratio}
+                   "step_times_of": timed["workload"], "time_ratio_vs_dense": ratio, "time_model": model}
             if method == "dense":
                 row["dense_step_over_compute"] = timed.get("dense_step_over_compute")
             rows.append(row)
@@ -109,11 +141,13 @@ def plot(rows: List[dict], convergence: List[dict], out: str) -> List[str]:
         links = sorted({r["link"] for r in members})
         fig, axes = plt.subplots(1, len(links), figsize=(4 * len(links), 3.6), squeeze=False)
         for ax, link in zip(axes[0], links):
-            for row in (r for r in members if r["link"] == link):
-                run = next(c for c in convergence if (c["workload"], c["optimizer"], c["method"]) ==
-                           (workload, optimizer, row["method"]))
-                evals = [e for e in run["evals"] if e[0] >= 0]
-                ax.plot([(e[0] + 1) * row["step_time"] for e in evals], [e[2] for e in evals], label=row["method"])
+            on_link = [r for r in members if r["link"] == link]
+            dense_time = next(r["step_time"] for r in on_link if r["method"] == "dense")
+            for row in on_link:
+                run = min((c for c in convergence if (c["workload"], c["optimizer"], c["method"]) ==
+                           (workload, optimizer, row["method"])), key=lambda c: c["seed"])
+                seconds = [run_time(run, i, row["step_time"], dense_time)[0] for i in range(len(run["evals"]))]
+                ax.plot(seconds, [e[2] for e in run["evals"]], label=row["method"])
             ax.axhline(members[0]["target_loss"], color="grey", linewidth=0.8, linestyle=":")
             ax.set_title(link)
             ax.set_xlabel("seconds")

@@ -48,6 +48,11 @@ def test_bytes_and_dense_comparison(quick_study):
     assert topk["dense_bytes_total"] == dense["dense_bytes_total"]
     assert dense["time_to_dense_loss_s"] is not None  # dense reaches its own final loss
     assert by[("adamw", "twobit")]["time_to_dense_loss_s"] is None  # no adamw dense run to compare with
+    for row in rows:  # bytes by evaluation, for time on a link: cumulative, ending at the run's totals
+        sent = [b[0] for b in row["bytes_to_eval"]]
+        assert len(sent) == len(row["evals"]) and sent == sorted(sent)
+        assert row["bytes_to_eval"][-1] == [row["bytes_total"], row["dense_bytes_total"]]
+    assert by[("sgdm", "dense")]["final_bytes_share"] == 1.0 and by[("sgdm", "topk")]["final_bytes_share"] < 0.8
 
 
 def test_table_and_plots_are_written(quick_study):

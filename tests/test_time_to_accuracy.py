@@ -1,0 +1,66 @@
+"""Time to dense's quality (experiments.time_to_accuracy): the steps to the target from the study's
+evaluations, and each step counted at the cost of the bytes it sent."""
+import json
+
+import pytest
+
+from experiments import time_to_accuracy as tta
+
+DENSE_BYTES = 100  # per step
+
+
+def run(method: str, losses, shares, seed: int = 0) -> dict:
+    """A study row whose step ``i`` sent ``shares[i]`` of dense's bytes; one evaluation per step."""
+    sent = dense = 0
+    bytes_to_eval = []
+    for share in shares:
+        sent, dense = sent + round(share * DENSE_BYTES), dense + DENSE_BYTES
+        bytes_to_eval.append([sent, dense])
+    return {"workload": "w", "optimizer": "sgdm", "method": method, "seed": seed, "final_loss": losses[-1],
+            "evals": [[i, 0.0, loss] for i, loss in enumerate(losses)], "bytes_to_eval": bytes_to_eval,
+            "final_bytes_share": shares[-1]}
+
+
+def timing(method: str, link: str, step_time: float) -> dict:
+    return {"workload": "w", "optimizer": "sgdm", "method": method, "link": link, "step_time": step_time,
+            "spread": 0.01, "load_before": 0.1}
+
+
+def test_a_step_costs_the_bytes_it_sent_between_the_final_setting_and_dense():
+    # 4 dense steps at 1.0 s, then 6 at the final setting (10% of the bytes) at 0.2 s.
+    shares = [1.0] * 4 + [0.1] * 6
+    seconds, model = tta.run_time(run("topk", [3.0] * 10, shares), 9, step_time=0.2, dense_step_time=1.0)
+    assert seconds == pytest.approx(4 * 1.0 + 6 * 0.2) and model == "per-step bytes"
+    # a ramp stage at 55% of the bytes costs half way
+    seconds, _ = tta.run_time(run("topk", [3.0] * 2, [0.55, 0.1]), 1, step_time=0.2, dense_step_time=1.0)
+    assert seconds == pytest.approx(0.6 + 0.2)
+    # a row without bytes by evaluation: every step at the final setting, and it says so
+    legacy = {k: v for k, v in run("topk", [3.0] * 3, [1.0, 0.1, 0.1]).items() if k != "bytes_to_eval"}
+    assert tta.run_time(legacy, 2, 0.2, 1.0) == (pytest.approx(0.6), "final setting")
+
+
+def test_rows_files_and_a_method_that_never_reaches_the_target(tmp_path):
+    dense = run("dense", [3.0, 2.5, 2.2, 2.0, 1.9, 1.8], [1.0] * 6)
+    topk = run("topk", [3.0, 2.6, 2.3, 2.1, 1.95, 1.83], [1.0, 1.0, 0.1, 0.1, 0.1, 0.1])  # 1.83 <= 1.8 x 1.02
+    twobit = run("twobit", [3.0, 2.9, 2.8, 2.7, 2.6, 2.5], [1.0] + [0.1] * 5)
+    (tmp_path / "study").mkdir()
+    (tmp_path / "times").mkdir()
+    (tmp_path / "study" / "convergence.json").write_text(json.dumps([dense, topk, twobit]))
+    times = [timing("dense", "10mbit", 1.0), timing("topk", "10mbit", 0.25), timing("twobit", "10mbit", 0.2),
+             timing("dense", "unshaped", 0.1), timing("topk", "unshaped", 0.12), timing("twobit", "unshaped", 0.11)]
+    (tmp_path / "times" / "step_times_w.json").write_text(json.dumps(times))
+    assert tta.main(["--convergence", str(tmp_path / "study"), "--step-times", str(tmp_path / "times"),
+                     "--out", str(tmp_path / "out")]) == 0
+    rows = {(r["method"], r["link"]): r for r in json.loads((tmp_path / "out" / "time_to_accuracy.json").read_text())}
+    assert len(rows) == 6
+    assert rows[("dense", "10mbit")]["steps_to_target"] == 6  # 1.9 > 1.8 x 1.02: dense's own 6th step
+    assert rows[("dense", "10mbit")]["time_ratio_vs_dense"] == pytest.approx(1.0)
+    slow = rows[("topk", "10mbit")]
+    assert slow["steps_to_target"] == 6
+    assert slow["time_ratio_vs_dense"] == pytest.approx((2 * 1.0 + 4 * 0.25) / 6)
+    assert rows[("topk", "unshaped")]["time_ratio_vs_dense"] == pytest.approx((2 * 0.1 + 4 * 0.12) / 0.6)
+    assert rows[("twobit", "10mbit")]["steps_to_target"] is None
+    assert rows[("twobit", "10mbit")]["time_ratio_vs_dense"] is None
+    table = (tmp_path / "out" / "time_to_accuracy.md").read_text()
+    assert table.count("| never |") == 4 and "0.50x" in table  # steps and ratio, 2 links
+    assert (tmp_path / "out" / "w_sgdm_loss_vs_time.png").stat().st_size > 1000
