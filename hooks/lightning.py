@@ -44,30 +44,6 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_KEY = "gradcomp"
 
 
-def run_stage_after_closure(stage):
-    """A step pre-hook that runs the recipe's optimizer ``stage`` (``before_optimizer_step``) on the
-    gradients of this step: after the step's closure (Lightning's forward, backward and
-    ``gradient_clip_val``), or at once for a step without one. The optimizer's own step follows."""
-
-    def pre_hook(optimizer, args, kwargs):
-        # args[0] is the optimizer itself (torch hands the hook the step's bound arguments).
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
-            stage.before_optimizer_step()
-            return None
-
-        def closure_then_stage():
-            loss = closure()
-            stage.before_optimizer_step()
-            return loss
-
-        kwargs = dict(kwargs)
-        kwargs["closure"] = closure_then_stage
-        return args[:1], kwargs
-
-    return pre_hook
-
-
 class GradcompCallback(Callback):
     """Register :func:`gradcomp.hooks.ddp.compression_hook` on Lightning's DDP model.
 
@@ -106,18 +82,13 @@ class GradcompCallback(Callback):
             if not steps < float("inf"):
                 raise ValueError("GradcompCallback(recipe=True) needs a bounded run: set Trainer(max_steps=...) "
                                  "or max_epochs")
-            kwargs["optimizer"], kwargs["total_steps"] = trainer.optimizers[0], int(steps)
             # Lightning steps with a closure that runs forward, backward and clipping inside
-            # optimizer.step(): a stage hooked before the step would act before backward. The stage runs
-            # after the closure instead (run_stage_after_closure).
-            kwargs["stage_hook"] = False
+            # optimizer.step(); the stage's step pre-hook runs after it (gradcomp.optim.step_hook).
+            kwargs["optimizer"], kwargs["total_steps"] = trainer.optimizers[0], int(steps)
             configs = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
             if configs:  # the recipe's dense start follows the warm-up of a per-step schedule
                 kwargs["scheduler"] = configs[0].scheduler
         self.state = gc_ddp.register(model, self.compressor, **kwargs)
-        stage = getattr(self.state.recipe, "transform", None)
-        if stage is not None and callable(getattr(stage, "before_optimizer_step", None)):
-            trainer.optimizers[0].register_step_pre_hook(run_stage_after_closure(stage))
         if self._pending is not None:
             self.state.load_state_dict(self._pending)
             self._pending = None

@@ -71,7 +71,11 @@ def clip(config: dict, model, optimizer, scaler):
 
 
 def step(config: dict, optimizer, scheduler, scaler):
-    if scaler is not None:
+    """The optimizer's step (unless ``config["skip_step"]``: the loop stepped already), the
+    scheduler's, ``zero_grad(set_to_none=True)``."""
+    if config.get("skip_step"):
+        pass
+    elif scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
@@ -103,19 +107,30 @@ class Rank:
         self.log = {"norms": [], "grads": []}
 
     def train(self, start: int, stop: int) -> None:
-        config, micro = self.config, self.config.get("accumulation", 1)
+        """Steps ``start`` to ``stop``; ``config["closure"]``: backward and clipping inside
+        ``optimizer.step(closure)``, as L-BFGS-style loops and Lightning do."""
+        config = self.config
         for s in range(start, stop):
             if self.scheduler is None:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr_at(config, s)
-            for m in range(micro):
-                context = self.ddp.no_sync() if m < micro - 1 else contextlib.nullcontext()
-                with context:
-                    loss = loss_fn(self.ddp, *batch(self.rank, s * micro + m)) / micro
-                    (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            self.log["grads"].append(self.model[2].weight.grad.clone())
-            self.log["norms"].append(clip(config, self.model, self.optimizer, self.scaler))
-            step(config, self.optimizer, self.scheduler, self.scaler)
+            if config.get("closure"):
+                self.optimizer.step(lambda: self.backward_and_clip(s))
+                step({**config, "skip_step": True}, self.optimizer, self.scheduler, self.scaler)
+            else:
+                self.backward_and_clip(s)
+                step(config, self.optimizer, self.scheduler, self.scaler)
+
+    def backward_and_clip(self, s: int) -> torch.Tensor:
+        micro = self.config.get("accumulation", 1)
+        for m in range(micro):
+            context = self.ddp.no_sync() if m < micro - 1 else contextlib.nullcontext()
+            with context:
+                loss = loss_fn(self.ddp, *batch(self.rank, s * micro + m)) / micro
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        self.log["grads"].append(self.model[2].weight.grad.clone())
+        self.log["norms"].append(clip(self.config, self.model, self.optimizer, self.scaler))
+        return loss.detach()
 
     def checkpoint(self) -> dict:
         """One dict for the whole job (rank 0 saves it): gradcomp's part holds every rank's state."""

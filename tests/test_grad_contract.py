@@ -53,6 +53,18 @@ def test_real_ranks_run_the_loop_as_the_simulation_bitwise(tmp_path, case):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["adamw-topk", pytest.param("sgdm-twobit", marks=pytest.mark.slow)])
+def test_a_step_with_a_closure_runs_as_the_loop_without_one(tmp_path, case):
+    # optimizer.step(closure): backward and the clip happen inside the step, so an optimizer stage
+    # that ran before the closure would act on no gradient (after zero_grad) and diverge here.
+    config = {**BASE, **CASES[case], "closure": True}
+    real = multiprocess.spawn(workers.ddp_worker, 2, tmp_path, config, timeout_s=240)
+    simulated = workers.simulated(config)  # the same loop with a plain optimizer.step()
+    for rank in range(2):
+        assert_logs_equal(real[rank], simulated[rank], f"{case} with a closure, rank {rank}")
+
+
+@pytest.mark.multiprocess
 def test_grad_scaler_and_a_scheduler_on_real_ranks(tmp_path):
     config = {**BASE, "optimizer": "adamw", "spec": "topk:0.05", "lr": 5e-3, "scaler": True, "manual_lr": False}
     real = multiprocess.spawn(workers.ddp_worker, 2, tmp_path, config, timeout_s=240)

@@ -45,6 +45,7 @@ from typing import Dict, Hashable, Iterable, List, Tuple, Union
 
 import torch
 
+from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
 __all__ = ["FrozenVarianceAdam"]
@@ -84,7 +85,8 @@ class FrozenVarianceAdam:
         freeze_step: optimizer steps of plain Adam before the variance freezes (>= 1).
         exchange: ``"gradient"`` or ``"momentum"`` (see the module docstring).
         variance_floor: floor of a frozen ``sqrt(v_hat)`` as a fraction of the tensor's mean.
-        step_hook: register :meth:`before_optimizer_step` as the optimizer's step pre-hook (DDP).
+        step_hook: register :meth:`before_optimizer_step` as the optimizer's step pre-hook (DDP);
+            in ``optimizer.step(closure)`` it runs after the closure (:mod:`gradcomp.optim.step_hook`).
             An integration whose ``step()`` first averages the gradients (Horovod's optimizer)
             passes ``False``, calls it itself, and sets :attr:`optimizer` to the optimizer it returns.
     """
@@ -103,7 +105,8 @@ class FrozenVarianceAdam:
         #: ``exchange="momentum"``: this rank's first moment per parameter name (float32, flat).
         self.moments: Dict[Hashable, torch.Tensor] = {}
         self._pending: Dict[Tuple[Hashable, ...], List[Tuple[Hashable, torch.Tensor]]] = {}
-        self._hook = optimizer.register_step_pre_hook(self._frozen_step) if step_hook else None
+        # after_closure: in optimizer.step(closure) this step's gradients exist only after the closure.
+        self._hook = optimizer.register_step_pre_hook(after_closure(self.before_optimizer_step)) if step_hook else None
 
     def parameter_names(self):
         """The names this stage knows (the engine's keys)."""
@@ -190,12 +193,12 @@ class FrozenVarianceAdam:
     # -- the optimizer's step, after the freeze ---------------------------------------------
     def before_optimizer_step(self) -> None:
         """Apply the frozen-variance update to :attr:`optimizer`'s frozen parameters."""
-        self._frozen_step(self.optimizer, (), {})
+        self._frozen_step(self.optimizer)
 
     @torch.no_grad()
-    def _frozen_step(self, optimizer, args, kwargs) -> None:
-        """Step pre-hook: the frozen-variance update of every frozen parameter with a gradient;
-        clears its ``grad`` so that the optimizer's own step skips it."""
+    def _frozen_step(self, optimizer) -> None:
+        """The frozen-variance update of every frozen parameter with a gradient (before the optimizer's
+        own step); clears its ``grad`` so that the optimizer's own step skips it."""
         for group in optimizer.param_groups:
             beta1 = group["betas"][0]
             lr, wd = float(group["lr"]), group["weight_decay"]
