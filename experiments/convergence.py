@@ -104,7 +104,7 @@ def _build_workload(name: str, seed: int, eval_windows: int):
 
 
 class _TorchHookTelemetry:
-    """Bytes per step for DDP's allreduce and torch's hooks (through ``train.attach_method``)."""
+    """Bytes per step for DDP's allreduce and torch's hooks (through ``methods.attach_method``)."""
 
     def __init__(self, telemetry):
         self.telemetry = telemetry
@@ -128,14 +128,14 @@ def attach(model, net, spec: RunSpec, loop):
     ``model``; returns ``(optimizer, scheduler or None, telemetry)``."""
     import gradcomp
     from experiments import loop as loops
-    from experiments import train
+    from experiments import methods
     from gradcomp.hooks import ddp as gradcomp_ddp
 
     optimizer, scheduler = loops.build_optimizer(loop, model)
     dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
     if spec.method in ("dense", "fp16", "powersgd"):
         args = argparse.Namespace(seed=spec.seed, density=TOPK_DENSITY, threshold="chunk", backend=None)
-        return optimizer, scheduler, _TorchHookTelemetry(train.attach_method(model, spec.method, args, dense_bytes))
+        return optimizer, scheduler, _TorchHookTelemetry(methods.attach_method(model, spec.method, args, dense_bytes))
     base, _, variant = spec.method.partition("-")
     spec_text = "twobit:chunk" if base == "twobit" else f"topk:{TOPK_DENSITY}"
     if variant == "plain":
@@ -243,9 +243,9 @@ def run_worker(spec: RunSpec, log_path: str, nproc: int, timeout_s: float) -> in
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from experiments import train
+    from experiments.launch import free_port
 
-    os.environ["MASTER_PORT"] = str(train.free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=run_rank, args=(r, nproc, spec, log_path, 300.0)) for r in range(nproc)]
     for process in processes:

@@ -72,7 +72,7 @@ def _rank(rank: int, world_size: int, port: int, recipe: str, steps: int, backen
 
 def run_job(recipe: str, steps: int, backend: str, bucket_cap_mb: float, timeout_s: float):
     """Run one two-rank job to its end; ``(exit codes, whether stderr showed an abort, stderr tail)``."""
-    from experiments.train import free_port
+    from experiments.launch import free_port
 
     port = free_port()
     command = [sys.executable, "-m", "experiments.exit_codes", "--rank-of", recipe, "--port", str(port),

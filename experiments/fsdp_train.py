@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from experiments import train
+from experiments import launch, methods
 
 #: What ``--compressor`` may be under FSDP, and gradcomp's spec of each compressed one.
 METHODS = ("noop", "dense", "topk", "twobit")
@@ -176,7 +176,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
     from experiments import netem
 
     netem.join_rank_namespace(rank)
-    train._set_thread_env(args.threads)
+    launch.set_thread_env(args.threads)
     import datetime
 
     import torch
@@ -195,7 +195,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespa
         telemetry, recipe = attach(model, job["method"], optimizer, scheduler, job.get("planned_steps") or loop.steps,
                                    job["density"], **job["residuals"])
         if telemetry.state is not None:  # JIT compilation before training, out of the step times (as train does)
-            job["kernel_warmup_s"] = train.warm_up_kernels(telemetry.state.engine.compressor, None,
+            job["kernel_warmup_s"] = methods.warm_up_kernels(telemetry.state.engine.compressor, None,
                                                            torch.device("cpu"))
         _train(model, workload, loop, optimizer, scheduler, telemetry, recipe, job, rank, world_size, log)
         dist.barrier()
@@ -223,11 +223,11 @@ def _train(model, workload, loop, optimizer, scheduler, telemetry, recipe, job, 
     _evaluate(model, workload, emit, -1, 0.0)
     train_time, step_times, losses = 0.0, [], []
     for step in range(loop.steps):
-        tx_before = train._lo_tx_bytes()
+        tx_before = launch.lo_tx_bytes()
         started = time.perf_counter()
         loss = fsdp_step(model, workload, loop, optimizer, scheduler, rank, step, batch_size)
         step_time = time.perf_counter() - started
-        tx_after = train._lo_tx_bytes()
+        tx_after = launch.lo_tx_bytes()
         train_time += step_time
         step_times.append(step_time)
         losses.append(loss)
@@ -280,7 +280,7 @@ def run_study(specs, runs_dir: str, args) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """:func:`experiments.train.parse_args`'s arguments (``--compressor`` one of :data:`METHODS`), plus
+    """:func:`experiments.launch.parse_args`'s arguments (``--compressor`` one of :data:`METHODS`), plus
     ``--residual-dtype``, ``--residual-share`` and ``--study-spec`` (a convergence RunSpec as JSON: its
     workload, loop and length replace the others)."""
     import torch
@@ -292,7 +292,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     extra.add_argument("--planned-steps", type=int, help="the recipe's total_steps (default --steps): a longer run "
                        "keeps the final setting, so its step times are the final setting's")
     known, rest = extra.parse_known_args(argv)
-    args = train.parse_args(rest)
+    args = launch.parse_args(rest)
     residuals = {"residual_dtype": getattr(torch, known.residual_dtype), "residual_share": known.residual_share}
     if known.study_spec:
         spec = json.loads(known.study_spec)
@@ -313,10 +313,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    train._set_thread_env(args.threads)
+    launch.set_thread_env(args.threads)
     if args.log:
         os.makedirs(os.path.dirname(os.path.abspath(args.log)), exist_ok=True)
-    return train.spawn(args, target=run_rank)
+    return launch.spawn(args, target=run_rank)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from experiments.train import free_port
+from experiments.launch import free_port
 from gradcomp import FP16, TopK, TwoBit, exchanges, inflight
 from gradcomp.costmodel import Cluster, Kernels, Link, gbit, predict
 

@@ -62,14 +62,14 @@ def _replica(method: str, net, workload, loop, args):
 
     import gradcomp
     from experiments import loop as loops
-    from experiments import train
+    from experiments import methods
 
     model = copy.deepcopy(net)
     ddp = DistributedDataParallel(model)
     optimizer, scheduler = loops.build_optimizer(loop, model)
     dense_bytes = sum(p.numel() * 4 for p in model.parameters())
     if method in ("noop", "dense", "fp16", "powersgd"):
-        train.attach_method(ddp, method, argparse.Namespace(seed=0, backend=None), dense_bytes)
+        methods.attach_method(ddp, method, argparse.Namespace(seed=0, backend=None), dense_bytes)
     else:
         kwargs = {"policy": gradcomp.Auto()} if method == "auto" else {}
         gradcomp.register(ddp, SPECS[method], optimizer=optimizer, total_steps=PLANNED_STEPS, scheduler=scheduler,
@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     if args.rank is not None:
         run_rank(args.rank, 2, args)
         return 0
-    from experiments import netem, train
+    from experiments import netem
+    from experiments.launch import free_port
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with netem.link("10gbit", mode="duplex", ranks=2) as link:
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
             print("step_times: no emulated link (needs root); nothing measured", file=sys.stderr)
             return 1
         env = link.env()
-        env.update(PYTHONPATH=root, MASTER_PORT=str(train.free_port()), OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+        env.update(PYTHONPATH=root, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
         argv = [sys.executable, "-m", "experiments.step_times", *(argv if argv is not None else sys.argv[1:])]
         procs = [subprocess.Popen(link.rank_command(r, argv + ["--rank", str(r)]), env=env, cwd=root)
                  for r in range(2)]

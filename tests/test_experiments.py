@@ -178,19 +178,19 @@ def test_bad_arguments_are_refused_before_any_rank_starts():
 
 
 def test_gradcomp_methods_build_their_compressor_from_the_registry():
-    from experiments import train
+    from experiments import launch, methods
 
-    args = train.parse_args(["--compressor", "topk", "--density", "0.003", "--threshold", "0.02"])
-    assert train.compressor_for(catalog.METHODS["topk"], args).spec == "topk:0.003"
+    args = launch.parse_args(["--compressor", "topk", "--density", "0.003", "--threshold", "0.02"])
+    assert methods.compressor_for(catalog.METHODS["topk"], args).spec == "topk:0.003"
     with pytest.raises(SystemExit):  # one name: --density
-        train.parse_args(["--compressor", "topk", "--ratio", "0.003"])
-    assert train.compressor_for(catalog.METHODS["twobit-noef"], args).spec == "twobit:0.019999999552965164"
-    assert train.compressor_for(catalog.METHODS["twobit"], args, 0.25).spec == "twobit:0.25"
-    rms = train.parse_args(["--threshold", "rms"])
-    assert train.compressor_for(catalog.METHODS["twobit"], rms).spec == "twobit:rms"
-    assert train.compressor_for(catalog.METHODS["twobit"], train.parse_args([])).spec == "twobit:rms"  # the default
-    auto = train.parse_args(["--threshold", "auto"])  # auto: a placeholder until the warm-up ends
-    assert train.compressor_for(catalog.METHODS["twobit-naive"], auto).spec == "twobit:1.0"
+        launch.parse_args(["--compressor", "topk", "--ratio", "0.003"])
+    assert methods.compressor_for(catalog.METHODS["twobit-noef"], args).spec == "twobit:0.019999999552965164"
+    assert methods.compressor_for(catalog.METHODS["twobit"], args, 0.25).spec == "twobit:0.25"
+    rms = launch.parse_args(["--threshold", "rms"])
+    assert methods.compressor_for(catalog.METHODS["twobit"], rms).spec == "twobit:rms"
+    assert methods.compressor_for(catalog.METHODS["twobit"], launch.parse_args([])).spec == "twobit:rms"  # the default
+    auto = launch.parse_args(["--threshold", "auto"])  # auto: a placeholder until the warm-up ends
+    assert methods.compressor_for(catalog.METHODS["twobit-naive"], auto).spec == "twobit:1.0"
 
 
 def test_catalog_orders_every_method_once():
