@@ -82,113 +82,151 @@ def main(argv=None) -> int:
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ.setdefault(name, str(args.threads))
     import horovod.torch as hvd
-    import torch
 
-    from experiments import workloads
-    from gradcomp.compressors import from_spec
-    from gradcomp.hooks import horovod as gc_hvd
+    job = _Job(args)
+    log = open(args.log, "w") if (job.rank == 0 and args.log) else None
+    try:
+        job.log = log
+        job.announce()
+        total_sent, total_time = job.train()
+        job.finish(total_sent, total_time)
+    finally:
+        if log is not None:
+            log.close()
+    hvd.shutdown()
+    return 0
 
-    torch.set_num_threads(args.threads)
-    hvd.init()
-    rank, world_size = hvd.rank(), hvd.size()
-    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
 
-    workload = workloads.build_workload(args.workload, seed=args.seed, small=args.small)
-    batch_size = args.batch_size or workload.default_batch_size
-    model = workload.build_model().to(device)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr or workload.default_lr, weight_decay=0.0)
-    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+class _Job:
+    """One Horovod rank: the workload, its model, the optimizer wrapped for the method."""
 
-    def batch(step):
-        x, y = workload.batch(rank, step, batch_size)
-        return x.to(device), y.to(device)
+    def __init__(self, args):
+        import horovod.torch as hvd
+        import torch
 
-    named = list(model.named_parameters())
-    if args.compressor in ("dense", "fp16"):
-        compression = gc_hvd.Compression.fp16 if args.compressor == "fp16" else hvd.Compression.none
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=compression)
-        wire_size = 2 if args.compressor == "fp16" else None
-        stock_bytes = sum(p.numel() * (wire_size or p.element_size()) for p in model.parameters() if p.requires_grad)
-    else:
+        from experiments import workloads
+
+        torch.set_num_threads(args.threads)
+        hvd.init()
+        self.args, self.log = args, None
+        self.rank, self.world_size = hvd.rank(), hvd.size()
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", hvd.local_rank()) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        self.workload = workloads.build_workload(args.workload, seed=args.seed, small=args.small)
+        self.batch_size = args.batch_size or self.workload.default_batch_size
+        self.model = self.workload.build_model().to(self.device)
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr or self.workload.default_lr,
+                                      weight_decay=0.0)
+        self.dense_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        self.optimizer, self.stock_bytes, self.method = self._wrap(optimizer)
+
+    def batch(self, step: int):
+        x, y = self.workload.batch(self.rank, step, self.batch_size)
+        return x.to(self.device), y.to(self.device)
+
+    def _wrap(self, optimizer):
+        """``(the method's distributed optimizer, bytes per step of Horovod's own path or None, its name)``."""
+        import horovod.torch as hvd
+
+        from gradcomp.compressors import from_spec
+        from gradcomp.hooks import horovod as gc_hvd
+
+        args, named = self.args, list(self.model.named_parameters())
+        if args.compressor in ("dense", "fp16"):
+            compression = gc_hvd.Compression.fp16 if args.compressor == "fp16" else hvd.Compression.none
+            wire = 2 if args.compressor == "fp16" else None
+            stock = sum(p.numel() * (wire or p.element_size()) for p in self.model.parameters() if p.requires_grad)
+            return (hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=compression), stock,
+                    args.compressor)
         if args.compressor == "topk":
             compressor = from_spec(f"topk:{args.density!r}")
         elif args.compressor == "twobit":
-            threshold = args.threshold
-            if threshold == "auto":
-                # The RMS of a first gradient, averaged over ranks so all decode alike.
-                x, y = batch(0)
-                workload.loss(model, x, y).backward()
-                grads = [p.grad.reshape(-1).double() for p in model.parameters() if p.grad is not None]
-                local_rms = torch.cat(grads).pow(2).mean().sqrt().reshape(1)
-                threshold = float(hvd.allreduce(local_rms, op=hvd.Average, name="gradcomp.threshold"))
-                model.zero_grad(set_to_none=True)
+            threshold = self._first_rms() if args.threshold == "auto" else args.threshold
             compressor = from_spec(f"twobit:{threshold!r}" if isinstance(threshold, float) else f"twobit:{threshold}")
         else:
             compressor = from_spec(args.compressor)
-        optimizer = gc_hvd.DistributedOptimizer(
+        wrapped = gc_hvd.DistributedOptimizer(
             optimizer, named_parameters=named, compression=compressor, warmup_steps=args.warmup_steps,
             min_numel=args.min_numel, error_feedback=not args.no_ef, backend=args.backend,
         )  # fmt: skip
-        stock_bytes = None
+        method = args.compressor
+        if args.compressor in ("topk", "twobit"):
+            method = f"{compressor!r}" + (" without error feedback" if args.no_ef else "")
+        return wrapped, None, method
 
-    log = open(args.log, "w") if (rank == 0 and args.log) else None
+    def _first_rms(self) -> float:
+        """The RMS of a first gradient, averaged over ranks so all decode alike."""
+        import horovod.torch as hvd
+        import torch
 
-    def emit(record):
-        if log is not None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+        x, y = self.batch(0)
+        self.workload.loss(self.model, x, y).backward()
+        grads = [p.grad.reshape(-1).double() for p in self.model.parameters() if p.grad is not None]
+        local_rms = torch.cat(grads).pow(2).mean().sqrt().reshape(1)
+        threshold = float(hvd.allreduce(local_rms, op=hvd.Average, name="gradcomp.threshold"))
+        self.model.zero_grad(set_to_none=True)
+        return threshold
 
-    method = args.compressor
-    if args.compressor in ("topk", "twobit"):
-        method = f"{compressor!r}" + (" without error feedback" if args.no_ef else "")
-    if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
-        print(f"{workload.name}: {params:,} parameters, {world_size} ranks, method {method}, batch {batch_size}/rank")
-    emit({"event": "config", **vars(args), "method": method, "world_size": world_size, "dense_bytes": dense_bytes})
+    def emit(self, record: dict) -> None:
+        if self.log is not None:
+            self.log.write(json.dumps(record) + "\n")
+            self.log.flush()
 
-    total_sent = total_time = 0.0
-    for step in range(args.steps):
-        started = time.perf_counter()
-        x, y = batch(step)
-        loss = workload.loss(model, x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        step_s = time.perf_counter() - started
-        mean_loss = float(hvd.allreduce(loss.detach().reshape(1).float(), op=hvd.Average, name="loss"))
-        if stock_bytes is not None:
-            sent, dense = stock_bytes, dense_bytes
-        else:
-            last = optimizer.stats()["last_step"]
-            sent, dense = last["bytes_sent"], last["dense_bytes"]
-        total_sent += sent
-        total_time += step_s
-        if rank == 0:
-            print(
-                f"step {step:4d}  loss {mean_loss:.4f}  bytes_sent {sent:>10,}  dense_bytes {dense:>10,}  "
-                f"ratio {dense / sent:6.1f}x  step {1000 * step_s:7.1f} ms",
-                flush=True,
-            )
-        emit({"event": "step", "step": step, "loss": mean_loss, "bytes_sent": sent, "dense_bytes": dense,
-              "step_time_s": step_s})  # fmt: skip
+    def announce(self) -> None:
+        if self.rank == 0:
+            params = sum(p.numel() for p in self.model.parameters())
+            print(f"{self.workload.name}: {params:,} parameters, {self.world_size} ranks, method {self.method}, "
+                  f"batch {self.batch_size}/rank")
+        self.emit({"event": "config", **vars(self.args), "method": self.method, "world_size": self.world_size,
+                   "dense_bytes": self.dense_bytes})
 
-    sums = workload.evaluate_sums(model, rank, world_size, device)
-    sums = hvd.allreduce(sums, op=hvd.Sum, name="eval")
-    metrics = workload.metrics(sums)
-    if rank == 0:
-        pretty = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        print(f"done: {pretty}  bytes_sent/step {total_sent / args.steps:,.0f}  "
-              f"dense/step {dense_bytes:,}  mean step {1000 * total_time / args.steps:.1f} ms")  # fmt: skip
-    emit({"event": "summary", **metrics, "bytes_sent_per_step": total_sent / args.steps, "dense_bytes": dense_bytes})
-    if log is not None:
-        log.close()
-    hvd.shutdown()
-    return 0
+    def train(self):
+        """``args.steps`` steps, each logged; ``(bytes sent, seconds)`` in all."""
+        import horovod.torch as hvd
+        import torch
+
+        total_sent = total_time = 0.0
+        for step in range(self.args.steps):
+            started = time.perf_counter()
+            x, y = self.batch(step)
+            loss = self.workload.loss(self.model, x, y)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - started
+            mean_loss = float(hvd.allreduce(loss.detach().reshape(1).float(), op=hvd.Average, name="loss"))
+            if self.stock_bytes is not None:
+                sent, dense = self.stock_bytes, self.dense_bytes
+            else:
+                last = self.optimizer.stats()["last_step"]
+                sent, dense = last["bytes_sent"], last["dense_bytes"]
+            total_sent += sent
+            total_time += step_s
+            if self.rank == 0:
+                print(f"step {step:4d}  loss {mean_loss:.4f}  bytes_sent {sent:>10,}  dense_bytes {dense:>10,}  "
+                      f"ratio {dense / sent:6.1f}x  step {1000 * step_s:7.1f} ms", flush=True)
+            self.emit({"event": "step", "step": step, "loss": mean_loss, "bytes_sent": sent, "dense_bytes": dense,
+                       "step_time_s": step_s})
+        return total_sent, total_time
+
+    def finish(self, total_sent: float, total_time: float) -> None:
+        """The held-out metrics over every rank, printed and logged."""
+        import horovod.torch as hvd
+
+        steps = self.args.steps
+        sums = self.workload.evaluate_sums(self.model, self.rank, self.world_size, self.device)
+        metrics = self.workload.metrics(hvd.allreduce(sums, op=hvd.Sum, name="eval"))
+        if self.rank == 0:
+            pretty = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            print(f"done: {pretty}  bytes_sent/step {total_sent / steps:,.0f}  "
+                  f"dense/step {self.dense_bytes:,}  mean step {1000 * total_time / steps:.1f} ms")
+        self.emit({"event": "summary", **metrics, "bytes_sent_per_step": total_sent / steps,
+                   "dense_bytes": self.dense_bytes})
 
 
 if __name__ == "__main__":
