@@ -59,21 +59,18 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
-import json
-import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from experiments import netem
-from experiments.catalog import ALL_METHODS, METHODS, RECORD_FIELDS, TIMING_METHODS, link_key, read_log
+from experiments import launch, netem
+from experiments.catalog import ALL_METHODS, METHODS, TIMING_METHODS
+from experiments.compare_report import add_floor_fields, fmt, summarize_log, write_results
 
 # The runs start the runner as a module of this package, from the directory that holds it,
 # wherever --out points.
@@ -82,7 +79,6 @@ TRAIN_MODULE = "experiments.train"
 DEFAULT_LINKS = ("unshaped", "1gbit")
 #: The methods of ``--parallel fsdp`` (``experiments.fsdp_train.METHODS``, not imported: it imports torch).
 FSDP_METHODS = ("noop", "dense", "topk", "twobit")
-WARMUP_SKIP = 5  # steps left out of medians (capped at half the run)
 
 
 @dataclass
@@ -138,7 +134,7 @@ class Run:
         return self.rate or netem.UNSHAPED
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.compare",
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -174,6 +170,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "noop, dense, topk, twobit); records get \"parallel\": \"fsdp\"")
     parser.add_argument("--planned-steps", type=int, help="--parallel fsdp: the recipe plans for this many steps "
                         "(default: the run's); the steps after keep its final setting, so time that")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The comparison's arguments (:func:`_parser`), checked, with ``plans``, ``method_filter`` and
+    ``rates`` resolved for the modes that run the matrix."""
+    parser = _parser()
     args = parser.parse_args(argv)
     args.mode = args.mode or "quick"
     if args.planned_steps is not None and args.parallel != "fsdp":
@@ -268,7 +271,7 @@ def execute(run: Run, args, runs_dir: str) -> dict:
     with netem.link(run.rate, args.link_mode, args.nproc) as link, open(output_path, "w") as output:
         env = link.env()
         env["PYTHONUNBUFFERED"] = "1"
-        status = netem.run_bounded(
+        status = launch.run_bounded(
             link.command(command), timeout=timeout, env=env, cwd=PACKAGE_ROOT, stdout=output, stderr=subprocess.STDOUT
         )
         link_fields = link.record()
@@ -288,143 +291,6 @@ def execute(run: Run, args, runs_dir: str) -> dict:
         log=os.path.relpath(run.log, os.path.dirname(runs_dir)),
     )
     return record
-
-
-def _median(values: List[float]) -> Optional[float]:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    return statistics.median(values) if values else None
-
-
-def summarize_log(path: str) -> dict:
-    """Medians over the steps after warm-up, the final evaluation, and run metadata."""
-    records = read_log(path)
-    steps = [r for r in records if r.get("event") == "step"]
-    evals = [r for r in records if r.get("event") == "eval"]
-    config = next((r for r in records if r.get("event") == "config"), {})
-    summary = next((r for r in records if r.get("event") == "summary"), {})
-    skip = min(WARMUP_SKIP, len(steps) // 2)
-    timed = steps[skip:]
-    out = {
-        "params": config.get("params"),
-        "step_time_s": _median([s["step_time_s"] for s in timed]),
-        "compress_s": _median([s.get("compress_s", 0.0) for s in timed]),
-        "bytes_per_step": _median([s.get("bytes_sent") for s in timed]),
-        "dense_bytes_per_step": _median([s.get("dense_bytes") for s in timed]),
-        "wire_bytes_per_step": _median([s.get("wire_bytes") for s in timed]),
-        "train_time_s": steps[-1]["train_time_s"] if steps else None,
-        "final_train_loss": summary.get("final_train_loss"),
-        "final_loss": evals[-1]["eval_loss"] if evals else None,
-        "accuracy": evals[-1].get("accuracy") if evals else None,
-        "twobit_threshold": summary.get("twobit_threshold"),
-    }
-    sent, dense = out["bytes_per_step"], out["dense_bytes_per_step"]
-    out["compression_ratio"] = dense / sent if sent and dense else None
-    return out
-
-
-def add_floor_fields(records: List[dict]) -> None:
-    """``compute_s``, ``comm_s`` and ``step_time_over_floor`` from each group's noop run."""
-    floors = {
-        (r["workload"], link_key(r)): r["step_time_s"]
-        for r in records
-        if r["method"] == "noop" and r.get("step_time_s") and r["status"] == "ok"
-    }
-    for r in records:
-        floor = floors.get((r["workload"], link_key(r)))
-        step, compress = r.get("step_time_s"), r.get("compress_s") or 0.0
-        if floor and step:
-            r["compute_s"] = floor if r["method"] != "noop" else step
-            r["step_time_over_floor"] = step / floor
-            r["comm_s"] = max(0.0, step - floor - compress) if r["method"] != "noop" else 0.0
-        else:
-            r["compute_s"] = r["comm_s"] = r["step_time_over_floor"] = None
-
-
-def _fmt(value, digits=3, scale=1.0, suffix=""):
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "–"
-    return f"{value * scale:.{digits}f}{suffix}"
-
-
-def markdown_table(records: List[dict]) -> str:
-    header = (
-        "| workload | link | method | step time (s) | × noop floor | compute (s) | compress (s) | comm (s) "
-        "| sent MB/step | ratio | wire MB/step | held-out loss | accuracy | status |"
-    )
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for r in records:
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["workload"],
-                    link_key(r),
-                    r["method"],
-                    _fmt(r.get("step_time_s")),
-                    _fmt(r.get("step_time_over_floor"), 2, suffix="×"),
-                    _fmt(r.get("compute_s")),
-                    _fmt(r.get("compress_s"), 4),
-                    _fmt(r.get("comm_s")),
-                    _fmt(r.get("bytes_per_step"), 3, 1e-6),
-                    _fmt(r.get("compression_ratio"), 1, suffix="×"),
-                    _fmt(r.get("wire_bytes_per_step"), 3, 1e-6),
-                    _fmt(r.get("final_loss")),
-                    _fmt(r.get("accuracy"), 3),
-                    r["status"],
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-def write_results(out: str, records: List[dict], meta: dict) -> str:
-    """``summary.json``, ``summary.csv``, ``meta.json`` and ``results.md``; returns the table."""
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(records, f, indent=1)
-    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(RECORD_FIELDS), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(records)
-    with open(os.path.join(out, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    table = markdown_table(records)
-    fallback = [r for r in records if r.get("link_fallback")]
-    notes = [
-        f"# gradcomp comparison ({meta['mode']})",
-        "",
-        f"{meta['started']} · {meta['host']} · {meta['cpus']} CPUs · torch {meta['torch']} · "
-        f"{meta['nproc']} ranks × {meta['threads']} thread(s) · Gloo · load average {meta['load_before']} before, "
-        f"{meta['load_after']} after · {meta['wall_s']:.0f} s",
-        "",
-    ]
-    if fallback:
-        notes += [
-            "> **WARNING: link shaping was not available; runs asked for a shaped link ran on the UNSHAPED "
-            f"loopback** ({fallback[0].get('link_fallback_reason')}). Their step times do not reflect that link.",
-            "",
-        ]
-    notes += [
-        table,
-        "",
-        "* **step time**: median wall time of forward + backward (including the completed collectives) + "
-        f"optimizer step on rank 0, over the steps after the first {WARMUP_SKIP} (capped at half the run).",
-        "* **× noop floor**: ÷ the step time of torch's `noop_hook` (no communication) on the same workload and link.",
-        "* **compute** = the noop step time; **compress** = time inside the compression hook on the training thread "
-        "(gradcomp: its own timer; fp16/PowerSGD: the hook's synchronous part, so PowerSGD's matmuls in its "
-        "callbacks count as comm); **comm** = step − compute − compress (exposed communication, decompression, "
-        "waiting).",
-        "* **sent MB/step**: bytes each rank hands to collectives per step; with 2 ranks equal to its bytes on the "
-        "wire. **wire MB/step**: measured on the namespace loopback (shaped links only), per rank.",
-        "* **links**: a tbf-shaped loopback in a private network namespace; both ranks share it, so the rate is the "
-        "aggregate of both directions (a shared medium, harsher than full-duplex NICs of that rate).",
-        "* **held-out loss**: charlm: nats per byte on held-out stdlib files; digits: test cross-entropy. The noop "
-        "run does not average gradients, so its loss is not a data-parallel result.",
-        "* 2-bit threshold: 4 × the RMS of the averaged gradient after the dense warm-up (see experiments/train.py).",
-    ]
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("\n".join(notes) + "\n")
-    return table
 
 
 #: The quick mode's convergence runs (charlm-small, AdamW) and links.
@@ -455,6 +321,28 @@ def quick(args) -> int:
     return 0
 
 
+def _meta(args, runs: List[Run]) -> dict:
+    """The run's machine, versions, links and load, for ``meta.json``."""
+    import torch  # only for the version in the metadata; runs import it themselves
+
+    return {"mode": args.mode, "started": datetime.datetime.now().isoformat(timespec="seconds"),
+            "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "nproc": args.nproc, "threads": args.threads,
+            "links": [r or netem.UNSHAPED for r in args.rates], "runs": len(runs),
+            "load_before": round(os.getloadavg()[0], 2), "command": " ".join(sys.argv)}
+
+
+def _execute_and_report(index: int, run: Run, runs: List[Run], args, runs_dir: str) -> dict:
+    """:func:`execute` one run, with a line of progress before and after."""
+    print(f"[{index}/{len(runs)}] {run.plan.name:13s} {run.link_name:9s} {run.method:12s} {run.steps:5d} steps ...",
+          end=" ", flush=True)
+    record = execute(run, args, runs_dir)
+    print(f"{record['status']} in {record['wall_s']:.0f}s: step {fmt(record.get('step_time_s'))} s, "
+          f"held-out loss {fmt(record.get('final_loss'))}"
+          + (" [link fallback: unshaped]" if record.get("link_fallback") else ""), flush=True)
+    return record
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.mode == "quick":
@@ -467,39 +355,10 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     runs_dir = os.path.join(out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
-    import torch  # only for the version in the metadata; runs import it themselves
-
-    meta = {
-        "mode": args.mode,
-        "started": datetime.datetime.now().isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "nproc": args.nproc,
-        "threads": args.threads,
-        "links": [r or netem.UNSHAPED for r in args.rates],
-        "runs": len(runs),
-        "load_before": round(os.getloadavg()[0], 2),
-        "command": " ".join(sys.argv),
-    }
+    meta = _meta(args, runs)
     print(f"compare: {len(runs)} runs ({args.mode}) -> {out}", flush=True)
     started = time.monotonic()
-    records = []
-    for index, run in enumerate(runs, 1):
-        print(
-            f"[{index}/{len(runs)}] {run.plan.name:13s} {run.link_name:9s} {run.method:12s} {run.steps:5d} steps ...",
-            end=" ",
-            flush=True,
-        )
-        record = execute(run, args, runs_dir)
-        records.append(record)
-        print(
-            f"{record['status']} in {record['wall_s']:.0f}s: step {_fmt(record.get('step_time_s'))} s, "
-            f"held-out loss {_fmt(record.get('final_loss'))}"
-            + (" [link fallback: unshaped]" if record.get("link_fallback") else ""),
-            flush=True,
-        )
+    records = [_execute_and_report(index, run, runs, args, runs_dir) for index, run in enumerate(runs, 1)]
     add_floor_fields(records)
     meta["wall_s"] = time.monotonic() - started
     meta["load_after"] = round(os.getloadavg()[0], 2)

@@ -355,7 +355,7 @@ def run_simulated(specs: List[RunSpec], runs_dir: str, jobs: int, timeout_s: flo
 
 def run_ddp(specs: List[RunSpec], runs_dir: str, args) -> int:
     """Run ``specs`` as real DDP jobs on the shaped link, one after another; the number that failed."""
-    from experiments import netem
+    from experiments import launch, netem
     from experiments.study_report import is_complete
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -370,7 +370,7 @@ def run_ddp(specs: List[RunSpec], runs_dir: str, args) -> int:
             env = link.env()
             env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
             with open(os.path.join(runs_dir, spec.stem + ".out"), "w") as output:
-                status = netem.run_bounded(link.command(command), timeout=args.run_timeout + 60, env=env,
+                status = launch.run_bounded(link.command(command), timeout=args.run_timeout + 60, env=env,
                                            stdout=output, stderr=subprocess.STDOUT, cwd=root)
             ok = is_complete(log_path)
             failures += not ok

@@ -3,6 +3,7 @@
 * :func:`parse_args`: the command line of one run (``experiments.train``, ``experiments.fsdp_train``).
 * :func:`spawn`: ``args.nproc`` local ranks of a rank function, bounded in time; a rank that
   fails stops the others.
+* :func:`run_bounded`: a command in its own process group, stopped (the whole group) at its timeout.
 * :func:`free_port`: a rendezvous port on the loopback.
 * :func:`set_thread_env`: the thread counts of torch, OpenMP and Numba, before they are imported.
 * :func:`lo_tx_bytes`: bytes sent on a private namespace's loopback (``experiments.netem``).
@@ -10,17 +11,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 from experiments.catalog import METHODS
 from experiments.methods import AUTO_THRESHOLD_SCALE
 
-__all__ = ["parse_args", "spawn", "free_port", "set_thread_env", "lo_tx_bytes", "NETNS_ENV"]
+__all__ = ["parse_args", "spawn", "run_bounded", "free_port", "set_thread_env", "lo_tx_bytes", "NETNS_ENV"]
 
 NETNS_ENV = "GRADCOMP_NETNS"  # set by experiments.netem: the name of the private namespace we run in
 
@@ -197,3 +201,28 @@ def _stop(processes) -> None:
         if process.is_alive():
             process.kill()
             process.join(timeout=5)
+
+
+def run_bounded(argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None, **popen_kwargs) -> int:
+    """Run ``argv`` in its own process group; on timeout stop that whole group (the
+    command and the ranks it spawned) and return 124. Otherwise its exit status."""
+    process = subprocess.Popen(list(argv), env=env, start_new_session=True, **popen_kwargs)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop_group(process)
+        return 124
+    except BaseException:
+        _stop_group(process)
+        raise
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

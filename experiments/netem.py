@@ -36,7 +36,7 @@ loopback, prints a loud warning, and marks the result (``link="unshaped"``,
 Example::
 
     with link("1gbit") as shaped:
-        run_bounded(shaped.command([sys.executable, "-m", "experiments.train"]), env=shaped.env(), timeout=600)
+        launch.run_bounded(shaped.command([sys.executable, "-m", "experiments.train"]), env=shaped.env(), timeout=600)
 
     python -m experiments.netem --rate 1gbit --check            # measure the shaped rate
     python -m experiments.netem --rate 100mbit -- python -m experiments.train ...
@@ -384,130 +384,6 @@ def join_rank_namespace(rank: int, env: Optional[Dict[str, str]] = None) -> Opti
     return names[rank]
 
 
-def run_bounded(argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None, **popen_kwargs) -> int:
-    """Run ``argv`` in its own process group; on timeout stop that whole group (the
-    command and the ranks it spawned) and return 124. Otherwise its exit status."""
-    process = subprocess.Popen(list(argv), env=env, start_new_session=True, **popen_kwargs)
-    try:
-        return process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop_group(process)
-        return 124
-    except BaseException:
-        _stop_group(process)
-        raise
-
-
-def _stop_group(process: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, sig)
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-# A throughput probe that runs inside the link: one TCP stream over 127.0.0.1.
-_PROBE = r"""
-import socket, sys, threading, time
-total = int(sys.argv[1])
-server = socket.socket(); server.bind(("127.0.0.1", 0)); server.listen(1)
-received = [0]
-def sink():
-    conn, _ = server.accept()
-    while True:
-        data = conn.recv(1 << 20)
-        if not data:
-            break
-        received[0] += len(data)
-thread = threading.Thread(target=sink); thread.start()
-client = socket.create_connection(server.getsockname())
-chunk = b"\0" * (1 << 20)
-start = time.perf_counter()
-sent = 0
-while sent < total:
-    client.sendall(chunk); sent += len(chunk)
-client.shutdown(socket.SHUT_WR); thread.join(); elapsed = time.perf_counter() - start
-print(received[0] * 8 / elapsed / 1e9)
-"""
-
-
-def measure_gbit_s(shaped: Link, nbytes: int = 64 << 20, timeout: float = 60.0) -> float:
-    """Throughput of one TCP stream over ``shaped``'s loopback, in Gbit/s."""
-    result = subprocess.run(
-        shaped.command([sys.executable, "-c", _PROBE, str(nbytes)]),
-        capture_output=True, text=True, timeout=timeout, check=True, env=shaped.env(),
-    )  # fmt: skip
-    return float(result.stdout.strip().splitlines()[-1])
-
-
-# A duplex probe, run as one process per rank namespace: it receives on its own address
-# (when told to) and sends ``total`` bytes to the peer's; prints the Gbit/s it received at.
-_DUPLEX_PROBE = r"""
-import socket, sys, threading, time
-own, peer, total, send, receive = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"
-PORT = 5201
-server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind((own, PORT)); server.listen(1); server.settimeout(60)
-rate = [0.0]
-def sink():
-    conn, _ = server.accept(); conn.settimeout(60)
-    received, start = 0, None
-    while True:
-        data = conn.recv(1 << 20)
-        if not data:
-            break
-        start = start or time.perf_counter()
-        received += len(data)
-    rate[0] = received * 8 / (time.perf_counter() - start) / 1e9
-thread = threading.Thread(target=sink)
-if receive:
-    thread.start()
-if send:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client = socket.create_connection((peer, PORT), timeout=60); break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    chunk, sent = b"\0" * (1 << 16), 0
-    while sent < total:
-        client.sendall(chunk); sent += len(chunk)
-    client.shutdown(socket.SHUT_WR); client.recv(1); client.close()
-if receive:
-    thread.join(90)
-print(rate[0])
-"""
-
-
-def measure_duplex_gbit_s(shaped: Link, nbytes: int = 4 << 20, both: bool = True, timeout: float = 90.0) -> List[float]:
-    """Received Gbit/s between ranks 0 and 1 of a duplex ``shaped``: ``[1 -> 0, 0 -> 1]`` when
-    ``both`` directions run at once, ``[0 -> 1]`` alone otherwise. Each rate is measured by its
-    receiver from its first byte to the sender's end of stream."""
-    if len(shaped.rank_namespaces) < 2:
-        raise ValueError("measure_duplex_gbit_s needs a duplex link of at least 2 ranks")
-    argv = lambda rank, send, receive: shaped.rank_command(rank, [  # noqa: E731
-        sys.executable, "-c", _DUPLEX_PROBE, Link.address(rank), Link.address(1 - rank), str(nbytes),
-        "1" if send else "0", "1" if receive else "0"])
-    processes = [subprocess.Popen(argv(1, both, True), stdout=subprocess.PIPE, text=True),
-                 subprocess.Popen(argv(0, True, both), stdout=subprocess.PIPE, text=True)]
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait(10)
-    if any(p.returncode for p in processes):
-        raise RuntimeError(f"the duplex probe failed: exit {[p.returncode for p in processes]}")
-    rates = [float(out.strip().splitlines()[-1]) for out in outputs]  # [rank 1 received, rank 0 received]
-    return [rates[1], rates[0]] if both else [rates[0]]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.netem",
@@ -531,6 +407,9 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    from experiments.launch import run_bounded
+    from experiments.netem_probe import measure_duplex_gbit_s, measure_gbit_s
+
     with link(args.rate, args.link_mode, args.ranks) as shaped:
         where = shaped.namespace or ",".join(shaped.rank_namespaces) or "-"
         print(f"netem: link={shaped.label} mode={shaped.mode} namespace={where}", file=sys.stderr, flush=True)

@@ -352,7 +352,7 @@ def predictions_for(record: dict, bench: Optional[str]) -> Dict[str, float]:
 
 def measure(out_dir: str, links: Sequence[str], world_sizes: Sequence[int], numel: int, repeats: int,
             bench: Optional[str], timeout_s: float) -> List[dict]:
-    from experiments import netem
+    from experiments import launch, netem
 
     records = []
     for rate in links:
@@ -361,7 +361,7 @@ def measure(out_dir: str, links: Sequence[str], world_sizes: Sequence[int], nume
                 path = os.path.join(out_dir, f"measured_{shaped.label}_p{p}.json")
                 argv = [sys.executable, "-m", "experiments.scaling", "--measure-worker", "--world-size", str(p),
                         "--numel", str(numel), "--repeats", str(repeats), "--json", path]
-                code = netem.run_bounded(shaped.command(argv), timeout=timeout_s, env=shaped.env())
+                code = launch.run_bounded(shaped.command(argv), timeout=timeout_s, env=shaped.env())
                 if code != 0 or not os.path.exists(path):
                     records.append({"link": shaped.label, "world_size": p, "error": f"exit code {code}"})
                     continue

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import multiprocess
-from experiments import catalog, compare, netem
+from experiments import catalog, compare, compare_report, netem, netem_probe
 
 # An edit of the module search path, in any file (the pattern itself is not such an edit).
 PATH_EDIT = re.compile(r"sys\.path\.(insert|append)\(")
@@ -222,7 +222,7 @@ def test_floor_fields_split_the_step_time():
         {"workload": "w", "link": "1gbit", "method": "topk", "status": "ok", "step_time_s": 1.5, "compress_s": 0.2},
         {"workload": "w", "link": "unshaped", "method": "dense", "status": "ok", "step_time_s": 2.0, "compress_s": 0.0},
     ]
-    compare.add_floor_fields(records)
+    compare_report.add_floor_fields(records)
     noop, topk, no_floor = records
     assert noop["step_time_over_floor"] == 1.0 and noop["comm_s"] == 0.0
     assert topk["compute_s"] == 1.0 and topk["step_time_over_floor"] == 1.5
@@ -284,7 +284,7 @@ def test_shaped_namespace_is_created_and_always_removed():
             assert "tbf" in qdisc.stdout and "200Mbit" in qdisc.stdout
             # Shaping is in effect: one TCP stream gets at most the rate (generous lower
             # bound: the machine may be busy).
-            assert 0.05 < netem.measure_gbit_s(link, nbytes=4 << 20) < 0.23
+            assert 0.05 < netem_probe.measure_gbit_s(link, nbytes=4 << 20) < 0.23
             raise RuntimeError("an error inside the with block")
     assert name not in netem.list_namespaces()
 

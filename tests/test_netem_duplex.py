@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from experiments import netem
+from experiments import netem, netem_probe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -41,8 +41,8 @@ def test_duplex_link_shapes_each_direction_and_carries_a_gloo_job():
         # Each direction has the full rate: both at once take about as long as one alone (a shared
         # medium would halve each, their sum staying at the rate). Generous bounds: the machine may be loaded.
         nbytes = 6 << 20
-        alone = netem.measure_duplex_gbit_s(link, nbytes, both=False)[0]
-        both = netem.measure_duplex_gbit_s(link, nbytes, both=True)
+        alone = netem_probe.measure_duplex_gbit_s(link, nbytes, both=False)[0]
+        both = netem_probe.measure_duplex_gbit_s(link, nbytes, both=True)
         assert 0.04 < alone < 0.12, alone
         assert sum(both) > 1.4 * alone and min(both) > 0.5 * alone, (alone, both)
 
