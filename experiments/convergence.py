@@ -172,6 +172,21 @@ def _ddp_step(ddp, net, workload, loop, optimizer, scheduler, rank: int, step: i
     return sum(losses) / micro
 
 
+def _held_out(net, workload, rank: int, world_size: int) -> dict:
+    """The workload's held-out metrics, summed over every rank (each evaluates its share)."""
+    import torch
+    import torch.distributed as dist
+
+    from gradcomp import inflight
+
+    net.eval()
+    sums = workload.evaluate_sums(net, rank, world_size, torch.device("cpu"))
+    net.train()
+    inflight.hold(sums)  # Gloo's thread must not be the last owner of a Python tensor at exit
+    dist.all_reduce(sums)
+    return workload.metrics(sums)
+
+
 def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str], timeout_s: float) -> None:
     """Train ``spec`` on this rank (the process group comes from ``MASTER_ADDR/PORT``); rank 0
     writes the JSON-lines log."""
@@ -182,8 +197,6 @@ def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str],
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-
-    from gradcomp import inflight
 
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     torch.set_num_threads(1)
@@ -207,12 +220,8 @@ def run_rank(rank: int, world_size: int, spec: RunSpec, log_path: Optional[str],
                 log.flush()
 
         def evaluate(step: int, train_time: float) -> None:
-            net.eval()
-            sums = workload.evaluate_sums(net, rank, world_size, torch.device("cpu"))
-            net.train()
-            inflight.hold(sums)  # Gloo's thread must not be the last owner of a Python tensor at exit
-            dist.all_reduce(sums)
-            emit({"event": "eval", "step": step, "train_time_s": train_time, **workload.metrics(sums)})
+            emit({"event": "eval", "step": step, "train_time_s": train_time,
+                  **_held_out(net, workload, rank, world_size)})
 
         emit({"event": "config", **asdict(spec), "buckets": BUCKETS, "engine": "ddp", "loop": loop.describe(),
               "world_size": world_size, "batch_size": batch_size,

@@ -72,13 +72,6 @@ def check_correctness(
     """Run ``kernels`` and ``reference`` (op name -> function) on the same inputs; the
     number of failed comparisons. Works on any device (the emulation reuses it on CPU)."""
     failures = 0
-
-    def report(what: str, bad: int) -> None:
-        nonlocal failures
-        if bad:
-            failures += 1
-            print(f"  MISMATCH {what}: {bad} elements differ")
-
     for dtype_name, dtype in DTYPES.items():
         for n in sizes:
             for kind in ("normal", "ties", "special"):
@@ -86,50 +79,66 @@ def check_correctness(
                     seed = n + len(kind) + len(mode)
                     grad = make_values(kind, n, device, seed).to(dtype)
                     residual = None if mode == "none" else make_values("normal", n, device, seed + 1) * 0.75
-                    what = f"{dtype_name} n={n} {kind} residual={mode}"
-
-                    # 2-bit
-                    ref_codes = torch.empty((n + 15) // 16, dtype=torch.int32, device=device)
-                    ref_residual = torch.empty(n, device=device)
-                    reference["twobit_compress"](grad, residual, ref_residual, 0.5, ref_codes)
-                    codes = torch.full_like(ref_codes, -1)
-                    residual_in = None if residual is None else residual.clone()
-                    residual_out = residual_in if mode == "aliased" else torch.full((n,), 7.0, device=device)
-                    kernels["twobit_compress"](grad, residual_in, residual_out, 0.5, codes)
-                    report(f"twobit_compress codes {what}", mismatches(codes, ref_codes))
-                    report(f"twobit_compress residual {what}", mismatches(residual_out, ref_residual))
                     start = make_values("special", n, device, seed + 2)
-                    ref_out, out = start.clone(), start.clone()
-                    reference["twobit_decompress_add"](ref_codes, 0.5, ref_out)
-                    kernels["twobit_decompress_add"](codes, 0.5, out)
-                    report(f"twobit_decompress_add {what}", mismatches(out, ref_out))
-
-                    # top-k, for k = 1, 1% and n
-                    for k in sorted({1, max(1, n // 100), n}):
+                    what = f"{dtype_name} n={n} {kind} residual={mode}"
+                    compared = _compare_twobit(kernels, reference, grad, residual, mode, start, device)
+                    for k in sorted({1, max(1, n // 100), n}):  # top-k for k = 1, 1% and n
                         if k == n and n > 100_000:
                             continue  # the reference's int64 sort of everything is slow
-                        index_dtype = torch.int32
-                        ref_values = torch.empty(k, dtype=dtype, device=device)
-                        ref_indices = torch.empty(k, dtype=index_dtype, device=device)
-                        ref_residual = torch.empty(n, device=device)
-                        # Every NaN ranks alike in the kernels (payloads are not portable);
-                        # give the reference one NaN payload so that it agrees.
-                        widened = torch.where(torch.isnan(grad), float("nan"), grad.float())
-                        reference["topk_compress"](widened, residual, ref_residual, ref_values, ref_indices)
-                        values = torch.zeros_like(ref_values)
-                        indices = torch.full_like(ref_indices, -1)
-                        residual_in = None if residual is None else residual.clone()
-                        residual_out = residual_in if mode == "aliased" else torch.full((n,), 7.0, device=device)
-                        kernels["topk_compress"](grad, residual_in, residual_out, values, indices)
-                        report(f"topk_compress k={k} indices {what}", mismatches(indices, ref_indices))
-                        report(f"topk_compress k={k} values {what}", mismatches(values, ref_values))
-                        report(f"topk_compress k={k} residual {what}", mismatches(residual_out, ref_residual))
-                        ref_out, out = start.clone(), start.clone()
-                        reference["topk_decompress_add"](ref_values, ref_indices, ref_out)
-                        kernels["topk_decompress_add"](values, indices, out)
-                        report(f"topk_decompress_add k={k} {what}", mismatches(out, ref_out))
+                        compared += [(f"{name} k={k}", bad) for name, bad in
+                                     _compare_topk(kernels, reference, grad, residual, mode, start, k, device)]
+                    for name, bad in compared:
+                        if bad:
+                            failures += 1
+                            print(f"  MISMATCH {name} {what}: {bad} elements differ")
         print(f"  {dtype_name}: checked; {failures} failures so far")
     return failures
+
+
+def _outputs(residual, mode: str, n: int, device):
+    """The kernel's residual input (a copy) and output (the input itself when aliased)."""
+    residual_in = None if residual is None else residual.clone()
+    return residual_in, residual_in if mode == "aliased" else torch.full((n,), 7.0, device=device)
+
+
+def _compare_twobit(kernels, reference, grad, residual, mode: str, start, device):
+    """``[(what, elements that differ)]`` of 2-bit's compression and decompression."""
+    n = grad.numel()
+    ref_codes = torch.empty((n + 15) // 16, dtype=torch.int32, device=device)
+    ref_residual = torch.empty(n, device=device)
+    reference["twobit_compress"](grad, residual, ref_residual, 0.5, ref_codes)
+    codes = torch.full_like(ref_codes, -1)
+    residual_in, residual_out = _outputs(residual, mode, n, device)
+    kernels["twobit_compress"](grad, residual_in, residual_out, 0.5, codes)
+    ref_out, out = start.clone(), start.clone()
+    reference["twobit_decompress_add"](ref_codes, 0.5, ref_out)
+    kernels["twobit_decompress_add"](codes, 0.5, out)
+    return [("twobit_compress codes", mismatches(codes, ref_codes)),
+            ("twobit_compress residual", mismatches(residual_out, ref_residual)),
+            ("twobit_decompress_add", mismatches(out, ref_out))]
+
+
+def _compare_topk(kernels, reference, grad, residual, mode: str, start, k: int, device):
+    """``[(what, elements that differ)]`` of top-k's compression (``k`` entries) and decompression."""
+    n = grad.numel()
+    ref_values = torch.empty(k, dtype=grad.dtype, device=device)
+    ref_indices = torch.empty(k, dtype=torch.int32, device=device)
+    ref_residual = torch.empty(n, device=device)
+    # Every NaN ranks alike in the kernels (payloads are not portable); give the reference one
+    # NaN payload so that it agrees.
+    widened = torch.where(torch.isnan(grad), float("nan"), grad.float())
+    reference["topk_compress"](widened, residual, ref_residual, ref_values, ref_indices)
+    values = torch.zeros_like(ref_values)
+    indices = torch.full_like(ref_indices, -1)
+    residual_in, residual_out = _outputs(residual, mode, n, device)
+    kernels["topk_compress"](grad, residual_in, residual_out, values, indices)
+    ref_out, out = start.clone(), start.clone()
+    reference["topk_decompress_add"](ref_values, ref_indices, ref_out)
+    kernels["topk_decompress_add"](values, indices, out)
+    return [("topk_compress indices", mismatches(indices, ref_indices)),
+            ("topk_compress values", mismatches(values, ref_values)),
+            ("topk_compress residual", mismatches(residual_out, ref_residual)),
+            ("topk_decompress_add", mismatches(out, ref_out))]
 
 
 def check_compressors(device, backend: str) -> int:

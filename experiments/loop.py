@@ -51,13 +51,14 @@ PEAK_LR_OVERRIDES = {("digits", "sgdm"): 0.05, ("digits-mlp", "sgdm"): 0.05, ("s
 
 def loop_for(workload: str, optimizer: str, steps: int, **overrides) -> Loop:
     """The loop of ``workload`` trained with ``optimizer`` for ``steps`` optimizer steps: a warm-up
-    of ``min(20, steps // 10)`` steps; the GPT workload adds its script's patterns (``gpt.LOOP``)."""
+    of ``min(20, steps // 10)`` steps; the GPT workload adds its script's patterns (``gpt.LOOP``;
+    ``gpt-noclip``: all but the clip)."""
     lr = PEAK_LR_OVERRIDES.get((workload, optimizer), PEAK_LR[optimizer])
     loop = Loop(optimizer, lr, steps, min(20, steps // 10))
-    if workload == "gpt":
+    if workload in ("gpt", "gpt-noclip"):
         from experiments.gpt import LOOP
 
-        loop = replace(loop, **LOOP)
+        loop = replace(loop, **{**LOOP, **({"clip": 0.0} if workload == "gpt-noclip" else {})})
     return replace(loop, **overrides)
 
 
