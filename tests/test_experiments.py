@@ -116,7 +116,7 @@ def test_compare_tiny_writes_results_and_plots(tmp_path):
             assert record["compression_ratio"] > 10
     digits = [r for r in records if r["workload"] == "digits"]
     assert all(0 <= r["accuracy"] <= 1 for r in digits)
-    assert (out / "summary.csv").read_text().startswith("workload,method,link")
+    assert (out / "summary.csv").read_text().startswith("workload,method,parallel,link")
     assert "| workload | link | method |" in (out / "results.md").read_text()
     assert "| workload | link | method |" in result.stdout  # the table is printed at the end
     pngs = sorted(out.glob("*.png"))
