@@ -16,7 +16,7 @@ pytest.importorskip("accelerate", reason="needs accelerate: pip install 'gradcom
 
 pytestmark = pytest.mark.multiprocess
 
-SPECS = multiprocess.slow_except(["topk:0.1", "twobit:chunk"], quick=["topk:0.1"], one_name=True)
+SPECS = ["topk:0.1", "twobit:chunk"]
 STEPS, ACCUMULATE, SAVE_AT = 8, 2, 4
 # The warm-up peaks at optimizer step RECIPE_WARMUP - 1; read at Accelerate's pace (2 scheduler steps per
 # optimizer step) it would end later and the byte budget would cap the dense start elsewhere.
@@ -42,6 +42,9 @@ def check_accumulation(records):
     assert not any(r["unchanged"] for r in records if r["synced"])  # so the check above could fail
 
 
+# Every `accelerate launch` job is slow (two launches and a spawn: about 15 s on two idle cores); the quick
+# selection keeps test_accelerate_register_refuses_a_model_without_ddp, in-process.
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_accelerate_recipe_with_accumulation_matches_hand_written_ddp_and_resumes_bitwise(tmp_path, spec):
     checkpoint = tmp_path / "state"
@@ -104,6 +107,7 @@ assert os.path.isfile("checkpoint/custom_checkpoint_0.pkl")
 """
 
 
+@pytest.mark.slow
 def test_accelerate_readme_example_runs_under_accelerate_launch(tmp_path):
     script = launchers.script_with(tmp_path / "readme_accelerate.py", README_PREAMBLE,
                                    readme_worker.example("accelerate"), README_CHECKS)  # fmt: skip

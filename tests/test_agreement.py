@@ -43,6 +43,9 @@ def outcomes(tmp_path_factory):
     return spawn(rw.disagreement_run, 2, str(tmp_path_factory.mktemp("agree")), cases, timeout_s=240, pg_timeout_s=30)
 
 
+# One 2-rank job answers every case below; it is slow, and gradcomp.agreement runs at the set-up of every
+# DDP job of the quick selection (test_every_argument_of_a_slot_is_one_of_its_settings stays quick).
+@pytest.mark.slow
 @pytest.mark.parametrize("label,setting,detail", [(c[0], c[3], c[4] if len(c) > 4 else None) for c in CASES[:-1]],
                          ids=[c[0] for c in CASES[:-1]])
 def test_disagreeing_ranks_fail_at_once_with_one_error_naming_the_setting_and_ranks(outcomes, label, setting, detail):
@@ -57,6 +60,7 @@ def test_disagreeing_ranks_fail_at_once_with_one_error_naming_the_setting_and_ra
             assert detail in outcome["error"], f"rank {rank}: the error does not show {detail}: {outcome['error']}"
 
 
+@pytest.mark.slow
 def test_agreeing_ranks_pay_one_tiny_collective_per_bucket_at_set_up_and_rebuild_only(outcomes):
     for rank in range(2):
         outcome = outcomes[rank]["agreeing"]

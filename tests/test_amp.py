@@ -24,6 +24,7 @@ def test_a_growing_loss_scale_trains_bitwise_like_fp32_with_the_recipe(tmp_path)
         assert torch.equal(scaled[1]["params"][name], value), name
 
 
+@pytest.mark.slow  # a second pair of 2-rank runs; the quick run keeps the growing scale (and test_commit_rule)
 def test_an_overflow_backs_the_scale_off_and_leaves_residuals_as_they_were(tmp_path):
     overflow = 10
     scaled = spawn(tmp_path, "scaled", True, overflow, False)

@@ -75,6 +75,7 @@ def test_a_held_tensor_has_one_more_cxx_owner_until_the_collective_lets_go():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 2 ranks; the quick run keeps the in-process check above
 def test_every_tensor_the_ddp_transport_hands_to_gloo_is_held_first(tmp_path):
     for report in multiprocess.spawn(workers.transport_holds, 2, tmp_path):
         assert report.pop("released")
@@ -113,6 +114,7 @@ def test_a_late_gloo_thread_aborts_a_finished_script_unless_its_tensors_are_held
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_every_tensor_of_a_one_file_checkpoint_gather_is_held_first(tmp_path):
     # full_state_dict() is often a script's last collective (the final torch.save follows it).
     for report in multiprocess.spawn(workers.gathers_hold, 2, tmp_path):

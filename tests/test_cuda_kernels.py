@@ -194,6 +194,9 @@ def nvcc_builds(tmp_path_factory):
         return dict(pool.map(compile_one, jobs)), supported
 
 
+# Slow: the fixture compiles every file for every arch (about 10 s on two idle cores); the quick run keeps
+# test_cuda_nvrtc_translation_unit_builds_with_nvcc, which builds the same kernels with nvcc in one unit.
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", NVCC_ARCHS)
 @pytest.mark.parametrize("name", CU_FILES)
 def test_cuda_source_builds_with_nvcc(nvcc_builds, name, arch):
@@ -241,7 +244,9 @@ def _libnvrtc():
     return None
 
 
-@pytest.mark.parametrize("arch", ["compute_70", "compute_80", "compute_90"])
+# The quick run keeps compute_90, which every NVRTC since CUDA 12 targets (compute_70 is skipped by 13).
+@pytest.mark.parametrize("arch", [pytest.param("compute_70", marks=pytest.mark.slow),
+                                  pytest.param("compute_80", marks=pytest.mark.slow), "compute_90"])
 def test_cuda_nvrtc_compiles_module_source(arch):
     """What cuda_ops gives NVRTC -- source and options -- compiles with NVRTC itself (no GPU
     needed), with no headers available, for each architecture."""

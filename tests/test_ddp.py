@@ -89,7 +89,8 @@ def assert_grads_equal(recorded, simulated):
 
 # -- tests ---------------------------------------------------------------------------------------
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size", multiprocess.slow_except([2, 3], quick=[2]))
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_identity_hook_gives_the_same_gradients_as_ddp_without_hook(tmp_path, world_size):
     results = multiprocess.spawn(workers.identity_vs_builtin, world_size, str(tmp_path), 5)
     for result in results:
@@ -106,10 +107,11 @@ CASES = [
 ]
 
 
+# Every job on real ranks in this file is slow; the quick selection keeps the in-process tests of the hook.
+# (test_optim_ddp.py and test_fsdp.py keep a 2-rank run against an independent simulation quick.)
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("spec,world_size,warmup,granularity",
-                         multiprocess.slow_except(CASES, quick=[(("twobit", 0.02), 3, 0, "parameter")]),
-                         ids=lambda c: str(c))  # fmt: skip
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,world_size,warmup,granularity", CASES, ids=lambda c: str(c))
 def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp_path, spec, world_size, warmup,
                                                                              granularity):
     steps = 20
@@ -126,6 +128,7 @@ def test_compressed_training_matches_simulation_and_ranks_stay_bitwise_equal(tmp
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_residuals_follow_their_parameters_across_the_bucket_rebuild(tmp_path):
     # Compression from step 0, so residuals exist before DDP rebuilds its buckets.
     spec, steps = ("twobit", 0.02), 6
@@ -149,6 +152,7 @@ def test_error_feedback_keeps_topk_within_5_percent_of_dense_and_beats_no_feedba
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_stats_report_exactly_the_bytes_handed_to_the_collectives(tmp_path):
     results = multiprocess.spawn(workers.count_collective_bytes, 2, str(tmp_path), 4)
     for result in results:
@@ -205,9 +209,8 @@ def test_state_dict_without_parameter_names_says_how_to_fix_it():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("spec", multiprocess.slow_except([("twobit", 0.02), ("topk", 0.01)], quick=[("topk", 0.01)],
-                                                          one_name=True),
-                         ids=str)  # fmt: skip
+@pytest.mark.slow  # two pairs of 2-rank runs; test_numba_kernels checks the backends' bits in-process
+@pytest.mark.parametrize("spec", [("twobit", 0.02), ("topk", 0.01)], ids=str)
 def test_hook_uses_numba_automatically_on_cpu_and_matches_the_torch_backend(tmp_path, monkeypatch, spec):
     monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)
     (tmp_path / "auto").mkdir(), (tmp_path / "torch").mkdir()

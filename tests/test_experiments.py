@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-import multiprocess
 from experiments import catalog, compare, compare_report, netem, netem_probe
 
 # An edit of the module search path, in any file (the pattern itself is not such an edit).
@@ -59,7 +58,9 @@ def _check_compressed_bytes(steps, method):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("method", multiprocess.slow_except(["dense", "topk"], quick=["topk"]))
+# Training runs are slow; the quick run starts train.py for --help and for refused arguments only.
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dense", "topk"])
 def test_train_charlm_tiny(tmp_path, method):
     events = run_train(tmp_path, *TINY_CHARLM, "--compressor", method, "--steps", "6", "--lr", "3e-3")
     (config,) = events["config"]
@@ -76,7 +77,8 @@ def test_train_charlm_tiny(tmp_path, method):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("method", multiprocess.slow_except(["dense", "topk", "twobit"], quick=["twobit"]))
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dense", "topk", "twobit"])
 def test_train_digits(tmp_path, method):
     events = run_train(tmp_path, "--workload", "digits", "--compressor", method, "--steps", "24", "--lr", "3e-3")
     losses = [s["loss"] for s in events["step"]]

@@ -12,6 +12,8 @@ import multiprocess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPECS = [("topk", 0.1), ("twobit", 0.01)]
+# Every job here (a Lightning run starts 2 ranks that import Lightning) is slow; the quick selection keeps
+# test_lightning_readme_example_builds_a_trainer_with_the_callback, in-process.
 
 
 def _spec_text(spec):
@@ -30,6 +32,7 @@ def run_lightning(tmp_path, spec, steps, name, *extra):
     return torch.load(out, weights_only=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s[0])
 def test_lightning_matches_hand_written_ddp(tmp_path, spec):
     pytest.importorskip("lightning", reason="needs lightning: pip install 'gradcomp[frameworks]'")
@@ -46,6 +49,7 @@ def test_lightning_matches_hand_written_ddp(tmp_path, spec):
         assert torch.equal(light["params"][name], value), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s[0])
 def test_lightning_resume_is_bitwise(tmp_path, spec):
     pytest.importorskip("lightning", reason="needs lightning: pip install 'gradcomp[frameworks]'")
@@ -60,9 +64,10 @@ def test_lightning_resume_is_bitwise(tmp_path, spec):
         assert torch.equal(resumed["params"][name], value), name
 
 
-RECIPE_SPECS = multiprocess.slow_except(["topk:0.1", "twobit:chunk"], quick=["topk:0.1"], one_name=True)
+RECIPE_SPECS = ["topk:0.1", "twobit:chunk"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", RECIPE_SPECS)
 def test_lightning_recipe_with_clipping_and_accumulation_matches_hand_written_ddp(tmp_path, spec):
     """GradcompCallback(recipe=True): AdamW and its per-step warm-up from configure_optimizers,
@@ -96,6 +101,7 @@ def test_lightning_recipe_resume_is_bitwise(tmp_path):
         assert torch.equal(resumed["params"][name], value), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s[0])
 def test_accumulation_no_sync_leaves_residuals_and_counts_optimizer_steps(tmp_path, spec):
     optimizer_steps, micro_steps = 3, 3

@@ -59,7 +59,9 @@ def same_bits(a, b):
     return torch.equal(a, b)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+# The quick run keeps the torch backend here and fuzzes numba against it in the test below.
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.slow) if b == "numba" else b
+                                     for b in CPU_BACKENDS])
 @given(case=gradients(), compressor=compressors)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_fuzz_compressors_keep_their_invariants(backend, case, compressor):

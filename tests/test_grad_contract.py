@@ -39,9 +39,9 @@ def assert_logs_equal(actual: dict, expected: dict, what: str) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", [pytest.param("adamw-topk"), pytest.param("sgdm-twobit"),
-                                  pytest.param("adamw-twobit", marks=pytest.mark.slow),
-                                  pytest.param("sgdm-topk", marks=pytest.mark.slow)])
+# Real ranks are slow; the quick run keeps the in-process checks below (the simulation against dense DDP).
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["adamw-topk", "sgdm-twobit", "adamw-twobit", "sgdm-topk"])
 def test_real_ranks_run_the_loop_as_the_simulation_bitwise(tmp_path, case):
     config = {**BASE, **CASES[case]}
     real = multiprocess.spawn(workers.ddp_worker, 2, tmp_path, config, timeout_s=240)
@@ -53,7 +53,8 @@ def test_real_ranks_run_the_loop_as_the_simulation_bitwise(tmp_path, case):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["adamw-topk", pytest.param("sgdm-twobit", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["adamw-topk", "sgdm-twobit"])
 def test_a_step_with_a_closure_runs_as_the_loop_without_one(tmp_path, case):
     # optimizer.step(closure): backward and the clip happen inside the step, so an optimizer stage
     # that ran before the closure would act on no gradient (after zero_grad) and diverge here.
@@ -65,6 +66,7 @@ def test_a_step_with_a_closure_runs_as_the_loop_without_one(tmp_path, case):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_grad_scaler_and_a_scheduler_on_real_ranks(tmp_path):
     config = {**BASE, "optimizer": "adamw", "spec": "topk:0.05", "lr": 5e-3, "scaler": True, "manual_lr": False}
     real = multiprocess.spawn(workers.ddp_worker, 2, tmp_path, config, timeout_s=240)
@@ -145,7 +147,8 @@ def test_a_binding_clip_in_the_dense_start_trains_as_dense(spec):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case,split", [("adamw-topk", 9), pytest.param("sgdm-twobit", 5, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("case,split", [("adamw-topk", 9), ("sgdm-twobit", 5)])
 def test_one_file_from_rank_0_resumes_bitwise(tmp_path, case, split):
     """A loop that saves one dict from rank 0 (``state.full_state_dict()``: every rank's residuals and
     first moments) and loads it on every rank resumes bitwise, after the freeze; ``stats()`` totals

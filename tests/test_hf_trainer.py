@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason="needs transformers: pip install 'gra
 
 pytestmark = pytest.mark.multiprocess
 
-SPECS = multiprocess.slow_except(["topk:0.1", "twobit:chunk"], quick=["topk:0.1"], one_name=True)
+SPECS = ["topk:0.1", "twobit:chunk"]
 
 
 def run_trainer(tmp_path, spec, name, *extra):
@@ -22,6 +22,8 @@ def run_trainer(tmp_path, spec, name, *extra):
     return torch.load(result, weights_only=False)
 
 
+# Two torchrun jobs and a spawn each; the quick run keeps the README example, one torchrun job.
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_hf_trainer_recipe_matches_hand_written_ddp_and_resumes_bitwise(tmp_path, spec):
     straight = run_trainer(tmp_path, spec, "straight")

@@ -47,6 +47,8 @@ def require_horovod():
         )
 
 
+# The horovodrun job is slow: every test that reads it is marked slow. The quick run keeps the
+# in-process tests of the protocol and the argument checks at the end of this file.
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' results from one horovodrun job."""
@@ -160,6 +162,7 @@ def simulations():
 
 # -- the drop-in optimizer: exactness ----------------------------------------------------
 @pytest.mark.parametrize("scenario", list(worker.EXACT))
+@pytest.mark.slow
 def test_ranks_hold_bitwise_equal_gradients_and_parameters(ranks, scenario):
     first, second = (r["exact"][scenario] for r in ranks)
     assert len(first["grads"]) == worker.EXACT[scenario]["steps"]
@@ -173,6 +176,7 @@ def test_ranks_hold_bitwise_equal_gradients_and_parameters(ranks, scenario):
 
 
 @pytest.mark.parametrize("scenario", list(worker.EXACT))
+@pytest.mark.slow
 def test_averaged_gradients_equal_the_independent_simulation(ranks, simulations, scenario):
     """Exact equality (torch.equal: same values, NaN never equal, -0.0 == +0.0). Both sides
     do the same float32 operations in the same order -- acc = g + e, decode, sum in rank
@@ -193,6 +197,7 @@ def test_averaged_gradients_equal_the_independent_simulation(ranks, simulations,
             assert saved.dtype == torch.float32 and torch.equal(saved, residual), f"rank {rank} residual of {name}"
 
 
+@pytest.mark.slow
 def test_compressed_parameters_really_were_compressed(ranks):
     """The exactness above is not vacuous: each scenario's modes and bytes are what its
     settings say, and the compressed gradients are sparse or quantized."""
@@ -218,6 +223,7 @@ def test_compressed_parameters_really_were_compressed(ranks):
     assert bf16_modes == {"allgather"}  # Horovod cannot allreduce bfloat16, so it is gathered
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_is_bitwise_equal_to_an_uninterrupted_run(ranks):
     for result in ranks:
         assert result["checkpoint"]["step_after_load"] == worker.CHECKPOINT_AT
@@ -225,6 +231,7 @@ def test_checkpoint_resume_is_bitwise_equal_to_an_uninterrupted_run(ranks):
             assert bitwise_equal(value, result["exact"]["topk"]["params"][name]), name
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_on_one_rank_leaves_every_residual_unchanged(ranks):
     for result in ranks:
         outcome = result["nonfinite"]
@@ -244,6 +251,7 @@ def test_nonfinite_gradient_on_one_rank_leaves_every_residual_unchanged(ranks):
         ("fp16_dropin", "fp16_stock", "allreduce"),
     ],
 )
+@pytest.mark.slow
 def test_dropin_equals_horovod_distributed_optimizer(ranks, variant, reference, mode):
     """Bitwise equal to Horovod's optimizer after 10 steps. Identity and the default
     compression take Horovod's own in-place allreduce; TopK(1.0) sends every entry
@@ -262,6 +270,7 @@ def test_dropin_equals_horovod_distributed_optimizer(ranks, variant, reference, 
     assert not all(bitwise_equal(runs["fp16_stock"]["params"][n], v) for n, v in runs["horovod"]["params"].items())
 
 
+@pytest.mark.slow
 def test_sparse_gradients_follow_horovod(ranks):
     """Sparse embedding gradients: the drop-in uses Horovod's sparse allreduce (bitwise
     Horovod's result) or, with sparse_as_dense=True, compresses the densified gradient;
@@ -283,6 +292,7 @@ def final_loss(ranks, method):
     return sum(r["convergence"][method]["losses"][-1] for r in ranks) / len(ranks)
 
 
+@pytest.mark.slow
 def test_stock_fp16_compression_trains_like_dense(ranks):
     dense, fp16 = final_loss(ranks, "dense"), final_loss(ranks, "fp16")
     first = sum(r["convergence"]["fp16"]["losses"][0] for r in ranks) / len(ranks)
@@ -293,6 +303,7 @@ def test_stock_fp16_compression_trains_like_dense(ranks):
     assert max_abs_diff(ranks[0]["convergence"]["fp16"]["params"], ranks[0]["convergence"]["dense"]["params"]) > 0
 
 
+@pytest.mark.slow
 def test_topk_with_error_feedback_converges_within_5_percent_of_dense(ranks):
     dense, topk = final_loss(ranks, "dense"), final_loss(ranks, "topk")
     assert dense < 0.3 * sum(r["convergence"]["dense"]["losses"][0] for r in ranks) / len(ranks)
@@ -313,6 +324,7 @@ def assert_same_state(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
+@pytest.mark.slow
 def test_horovod_and_ddp_load_each_others_checkpoints(ranks):
     for rank, result in enumerate(ranks):
         cross = result["cross_path"]
@@ -325,6 +337,7 @@ def test_horovod_and_ddp_load_each_others_checkpoints(ranks):
                        for n, v in cross["from_horovod"]["residuals"].items())  # fmt: skip
 
 
+@pytest.mark.slow
 def test_horovod_and_ddp_report_stats_of_one_shape(ranks):
     def shape(value):
         if isinstance(value, dict):
@@ -341,6 +354,7 @@ def test_horovod_and_ddp_report_stats_of_one_shape(ranks):
 @pytest.mark.parametrize(
     "name,expected", [("topk", r"compression=TopK\(density=0\.01\)\)$"), ("fp16", r"Compression\.wrap\(FP16\(\)\)")]
 )
+@pytest.mark.slow
 def test_horovods_own_optimizer_refuses_a_gradcomp_compressor_and_names_the_right_call(ranks, name, expected):
     for rank in ranks:
         kind, message = rank["refused"][name]
@@ -351,6 +365,7 @@ def test_horovods_own_optimizer_refuses_a_gradcomp_compressor_and_names_the_righ
 
 
 @pytest.mark.parametrize("name,mode", [("two_phase", "two_phase"), ("auto", None)])
+@pytest.mark.slow
 def test_dropin_takes_exchange_and_policy_as_the_ddp_hook_does(ranks, name, mode):
     first, second = (r["exchange_and_policy"][name] for r in ranks)
     for param in first["params"]:
@@ -362,6 +377,7 @@ def test_dropin_takes_exchange_and_policy_as_the_ddp_hook_does(ranks, name, mode
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "two_phase"])
+@pytest.mark.slow
 def test_op_sum_gives_the_average_times_the_world_size_with_every_exchange(ranks, exchange):
     for rank in ranks:
         result = rank["sum_reduction"][exchange]

@@ -28,6 +28,7 @@ def qdisc(namespace, device):
                           capture_output=True, text=True, timeout=20, check=True).stdout
 
 
+@pytest.mark.slow  # a 2-rank Gloo job across the shaped link; the namespace tests below stay quick
 def test_duplex_link_shapes_each_direction_and_carries_a_gloo_job():
     with netem.link("100mbit", mode="duplex", ranks=2) as link:
         prefix = link.hub[: -len("-hub")]

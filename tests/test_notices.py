@@ -31,6 +31,7 @@ def test_the_recipes_decisions_reach_stderr_on_rank_0_only():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # a second 2-rank job; the quick run keeps the one above
 def test_a_user_silences_them_like_any_warning():
     rank0, rank1 = run_ranks("silence")
     assert "RecipeNotice" not in rank0 + rank1

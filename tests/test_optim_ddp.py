@@ -17,7 +17,8 @@ def assert_params_equal(a, b, what):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", optim_workers.KINDS)
+# The quick run keeps adam-momentum: the frozen variance and the momentum exchange, this file's own path.
+@pytest.mark.parametrize("kind", multiprocess.slow_except(optim_workers.KINDS, quick=["adam-momentum"]))
 def test_matches_independent_simulation_and_replicas_agree(kind, tmp_path):
     ranks = multiprocess.spawn(optim_workers.train_worker, 2, str(tmp_path), kind, STEPS)
     assert_params_equal(ranks[0]["params"], ranks[1]["params"], "replicas")
@@ -30,9 +31,9 @@ def test_matches_independent_simulation_and_replicas_agree(kind, tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind,split", multiprocess.slow_except(
-    [("sgd", 3), ("sgd", 6), ("adam-momentum", 3), ("adam-momentum", 5), ("adam-gradient", 4)],
-    quick=[("adam-momentum", 5)]))
+@pytest.mark.slow  # two 2-rank runs per case
+@pytest.mark.parametrize("kind,split", [("sgd", 3), ("sgd", 6), ("adam-momentum", 3), ("adam-momentum", 5),
+                                        ("adam-gradient", 4)])
 def test_checkpoint_resume_is_bitwise(kind, split, tmp_path):
     """``split`` = 3: the first compressed step (and the freeze) after the resume; 4-6: inside the
     ramp, with residuals, first moments and the frozen variance saved."""

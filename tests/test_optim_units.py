@@ -119,3 +119,27 @@ def test_state_dict_holds_settings_and_moments_only():
     settings = gradient.settings()
     assert math.isclose(dict(settings["optimizer"][0])["eps"], 1e-8)
     assert dict(settings["optimizer"][0])["lr"] == 1e-3
+
+
+def test_the_stage_runs_after_the_steps_closure_and_before_the_update():
+    from gradcomp.optim.step_hook import after_closure
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    seen = []  # (the gradient the stage saw, the parameter before the update)
+    optimizer.register_step_pre_hook(after_closure(
+        lambda: seen.append((None if param.grad is None else param.grad.clone(), param.detach().clone()))))
+
+    def closure():
+        optimizer.zero_grad(set_to_none=True)
+        (param * torch.tensor([1.0, 2.0])).sum().backward()
+        return torch.tensor(0.0)
+
+    optimizer.step(closure)  # keyword-free, positional
+    assert torch.equal(seen[-1][0], torch.tensor([1.0, 2.0])) and torch.equal(seen[-1][1], torch.zeros(2))
+    assert torch.equal(param.detach(), torch.tensor([-1.0, -2.0]))  # the update followed the stage
+    optimizer.step(closure=closure)
+    assert torch.equal(seen[-1][1], torch.tensor([-1.0, -2.0])) and len(seen) == 2
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.step()  # no closure: at once, on what .grad holds (nothing here)
+    assert seen[-1][0] is None and len(seen) == 3

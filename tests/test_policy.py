@@ -33,7 +33,9 @@ def check_agreement_and_replicas(results):
     return choices[0]
 
 
+# Every 2-rank run is slow; the quick run keeps the in-process checks at the end of this file.
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_very_slow_link_picks_compression_and_ranks_agree(tmp_path):
     # Ranks measure different link times (3 s and 5 s per bucket) and kernel times (x1, x3).
     results = run(tmp_path, [3.0, 5.0], [1.0, 3.0])
@@ -49,6 +51,7 @@ def test_very_slow_link_picks_compression_and_ranks_agree(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_nan_measurement_on_one_rank_is_dropped_by_every_rank(tmp_path):
     # Rank 1's clock gives NaN for every link and kernel time; rank 0's are valid. No rank raises
     # alone: the NaNs are shared as missing, and both ranks decide from rank 0's times.
@@ -58,6 +61,7 @@ def test_a_nan_measurement_on_one_rank_is_dropped_by_every_rank(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_no_valid_link_time_anywhere_raises_the_same_error_on_every_rank(tmp_path):
     results = multiprocess.spawn(workers.auto_error_worker, 2, str(tmp_path), [math.nan, math.inf], [1.0, 1.0],
                                 STEPS, timeout_s=240, pg_timeout_s=30)
@@ -67,6 +71,7 @@ def test_no_valid_link_time_anywhere_raises_the_same_error_on_every_rank(tmp_pat
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_very_fast_link_stays_dense_and_ranks_agree(tmp_path):
     results = run(tmp_path, [1e-7, 2e-7], [1.0, 0.5])
     choices = check_agreement_and_replicas(results)

@@ -55,8 +55,9 @@ def test_framework_blocks_are_examples_their_tests_run():
         assert blocks[0].code.strip() in marked, kind
 
 
-# The Horovod blocks' job is slow; test_horovod.py covers the same calls in the quick selection.
-CASES = [pytest.param(b, marks=[pytest.mark.horovod, pytest.mark.slow]) if b.kind == "horovod" else b
+# Both jobs (one for the DDP blocks, one horovodrun for the Horovod blocks) are slow; the quick selection
+# keeps the in-process checks of the blocks around this test.
+CASES = [pytest.param(b, marks=[pytest.mark.horovod, pytest.mark.slow] if b.kind == "horovod" else pytest.mark.slow)
          for b in BLOCKS if b.kind not in LAUNCHED_ELSEWHERE]  # fmt: skip
 
 

@@ -34,7 +34,10 @@ def assert_params_equal(a, b, what):
         assert torch.equal(b["params"][name], value), f"{what}: {name} differs"
 
 
+# Every test on real ranks here is slow (the quick run keeps the plan's in-process tests; test_amp runs the
+# recipe on 2 real ranks).
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,spec,hand", CASES, ids=[f"{k}-{s}" for k, s, _ in CASES])
 def test_recipe_equals_the_hand_assembled_pieces_and_replicas_agree(tmp_path, kind, spec, hand):
     recipe = spawn(workers.train_worker, tmp_path / "recipe", kind, spec, "recipe")
@@ -52,6 +55,7 @@ def test_recipe_equals_the_hand_assembled_pieces_and_replicas_agree(tmp_path, ki
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,spec,split", [("adamw", "topk:0.01", 3), ("adamw", "twobit:rms", 12),
                                              ("sgd", "topk:0.01", 4)],
                          ids=["adamw-before-freeze", "adamw-after-freeze", "sgd-mid-ramp"])
@@ -159,6 +163,7 @@ def test_a_run_past_its_plan_says_so_once_and_keeps_the_final_setting():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_register_rejects_a_stage_that_does_not_know_the_models_names(tmp_path):
     results = multiprocess.spawn(_register_with_foreign_stage, 2, str(tmp_path))
     assert all("was built for other parameters" in r for r in results)
@@ -191,6 +196,7 @@ def test_an_early_freeze_is_warned_about():
 
 @pytest.mark.horovod
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_ddp_and_horovod_give_the_same_result_for_the_same_settings(tmp_path):
     """The recipe through Horovod's drop-in optimizer (a unit per parameter) and through DDP (one
     bucket, compressed per parameter) exchange the same bytes, so they train to the same weights."""

@@ -30,6 +30,7 @@ def test_study_shapes_and_crossovers(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_measure_mode_runs_two_ranks(tmp_path):
     records = scaling.measure(str(tmp_path), ["unshaped"], [2], numel=4096, repeats=1, bench=None, timeout_s=240)
     assert len(records) == 1 and "error" not in records[0], records

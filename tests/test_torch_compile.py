@@ -17,13 +17,13 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 8
 # aot_eager: Dynamo's graph splitting at buckets and AOTAutograd's compiled backward, without the
 # C++ build of inductor's kernels (minutes on two shared cores); inductor itself runs in the slow cases.
-CASES = multiprocess.slow_except(
-    [("compiled_module", "aot_eager", "topk:0.1"), ("compiled_ddp", "aot_eager", "topk:0.1"),
-     ("compiled_ddp", "aot_eager", "twobit:chunk"), ("compiled_module", "inductor", "topk:0.1"),
-     ("compiled_ddp", "inductor", "twobit:chunk")],
-    quick=[("compiled_ddp", "aot_eager", "topk:0.1")])  # fmt: skip
+CASES = [("compiled_module", "aot_eager", "topk:0.1"), ("compiled_ddp", "aot_eager", "topk:0.1"),
+         ("compiled_ddp", "aot_eager", "twobit:chunk"), ("compiled_module", "inductor", "topk:0.1"),
+         ("compiled_ddp", "inductor", "twobit:chunk")]
 
 
+# Two 2-rank runs, one compiling, per case: slow. The quick run keeps the refusal below (one rank).
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,backend,spec", CASES)
 def test_torch_compile_recipe_matches_eager(tmp_path, mode, backend, spec):
     (tmp_path / "e").mkdir()

@@ -26,7 +26,9 @@ def ranks(world_size, spec, tmp_root):
                               timeout_s=240)
 
 
-@pytest.fixture(scope="module", params=multiprocess.slow_except(CASES, quick=[(3, "topk:0.05")], one_name=True),
+# Every case starts 3 or 4 ranks: slow. The quick run keeps the in-process tests below, and
+# test_commit_rule.py runs the two-phase exchange on 2 real ranks.
+@pytest.fixture(scope="module", params=[pytest.param(case, marks=pytest.mark.slow) for case in CASES],
                 ids=[f"P{p}-{s}" for p, s in CASES])
 def case(request, tmp_path_factory):
     world_size, spec = request.param
@@ -139,6 +141,7 @@ def test_bytes_handed_to_collectives_equal_the_cost_model(case):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_ddp_hook_replicas_agree():
     import tempfile
 
@@ -229,6 +232,7 @@ def test_a_loaded_owner_residual_of_another_size_is_dropped_at_first_use_and_sta
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_ranks_with_different_exchanges_fail_before_exchanging(tmp_path):
     results = multiprocess.spawn(workers.mismatch_worker, 2, str(tmp_path), "topk:0.05", timeout_s=240)
     for result in results:
