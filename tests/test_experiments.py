@@ -149,8 +149,9 @@ def test_no_module_edits_the_import_path():
     the tests with the repository root and tests/ on the path (pytest's configuration)."""
     offenders = []
     for path in sorted(ROOT.glob("**/*.py")):
-        if {"results", "build", ".git"} & set(path.relative_to(ROOT).parts):
-            continue
+        parts = path.relative_to(ROOT).parts
+        if {"results", "build", "site-packages"} & set(parts) or any(part.startswith(".") for part in parts):
+            continue  # not the project's modules: outputs, builds, .git, a virtualenv (.venv)
         text = path.read_text(errors="replace")
         for line_number, line in enumerate(text.splitlines(), 1):
             if PATH_EDIT.search(line) and path.name != "test_experiments.py":
