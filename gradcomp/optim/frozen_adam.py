@@ -191,14 +191,11 @@ class FrozenVarianceAdam:
                 self.moments[key] = moment
 
     # -- the optimizer's step, after the freeze ---------------------------------------------
-    def before_optimizer_step(self) -> None:
-        """Apply the frozen-variance update to :attr:`optimizer`'s frozen parameters."""
-        self._frozen_step(self.optimizer)
-
     @torch.no_grad()
-    def _frozen_step(self, optimizer) -> None:
-        """The frozen-variance update of every frozen parameter with a gradient (before the optimizer's
-        own step); clears its ``grad`` so that the optimizer's own step skips it."""
+    def before_optimizer_step(self) -> None:
+        """The frozen-variance update of every frozen parameter of :attr:`optimizer` with a gradient
+        (before the optimizer's own step); clears its ``grad`` so that the optimizer's own step skips it."""
+        optimizer = self.optimizer
         for group in optimizer.param_groups:
             beta1 = group["betas"][0]
             lr, wd = float(group["lr"]), group["weight_decay"]
