@@ -103,6 +103,7 @@ loader = [workers.batch(int(os.environ["RANK"]), i) for i in range(16)]
 README_CHECKS = """
 assert accelerator.num_processes == 2, accelerator.distributed_type
 assert state.step == 8 and state.stats()["total"]["compression_ratio"] > 1.3, state.stats()
+accelerator.wait_for_everyone()  # save_state has no barrier: the main process writes the file
 assert os.path.isfile("checkpoint/custom_checkpoint_0.pkl")
 """
 
