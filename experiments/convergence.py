@@ -182,8 +182,8 @@ def _held_out(net, workload, rank: int, world_size: int) -> dict:
     net.eval()
     sums = workload.evaluate_sums(net, rank, world_size, torch.device("cpu"))
     net.train()
-    inflight.hold(sums)  # Gloo's thread must not be the last owner of a Python tensor at exit
-    dist.all_reduce(sums)
+    (handed,) = inflight.hold(sums)  # Gloo's thread must not be the last owner of a Python tensor at exit
+    dist.all_reduce(handed)
     return workload.metrics(sums)
 
 

@@ -74,8 +74,9 @@ class _Counted:
         if self.communicate:
             from gradcomp import inflight
 
-            inflight.hold(input_tensor, output_tensor)  # Gloo's thread must not be their last owner at exit
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            # Held aliases: Gloo's thread must not be the last owner of a Python tensor at exit.
+            sent, received = inflight.hold(input_tensor, output_tensor)
+            return dist.reduce_scatter_tensor(received, sent, op=op, group=group)
         output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
         return None
 

@@ -220,8 +220,8 @@ def choose_twobit_threshold(model, scale: float = AUTO_THRESHOLD_SCALE) -> float
     count = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
     device = next(model.parameters()).device
     threshold = torch.tensor([scale * math.sqrt(squares / max(count, 1))], dtype=torch.float64, device=device)
-    inflight.hold(threshold)
-    dist.broadcast(threshold, src=0)
+    (handed,) = inflight.hold(threshold)
+    dist.broadcast(handed, src=0)
     value = float(threshold)
     if not value > 0 or not math.isfinite(value):
         raise RuntimeError(f"auto 2-bit threshold is {value}; the warm-up gradients are zero or not finite")

@@ -226,8 +226,8 @@ def _all_reduce_held(tensor: torch.Tensor) -> None:
     """A blocking allreduce of ``tensor``, held until Gloo's thread lets go (see gradcomp.inflight)."""
     import torch.distributed as dist
 
-    inflight.hold(tensor)
-    dist.all_reduce(tensor)
+    (handed,) = inflight.hold(tensor)
+    dist.all_reduce(handed)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -310,14 +310,15 @@ def _collectives_of(cost, world_size: int):
     if "slot1" not in cost.parts:
         payload = torch.zeros(cost.handed_bytes, dtype=torch.uint8)
         gathered = torch.empty(world_size * cost.handed_bytes, dtype=torch.uint8)
-        inflight.hold(payload, gathered)  # held for the exit, as every tensor handed to Gloo (gradcomp.inflight)
-        return lambda: dist.all_gather_into_tensor(gathered, payload)
+        # Held aliases for the exit, as every tensor handed to Gloo (gradcomp.inflight).
+        sent, received = inflight.hold(payload, gathered)
+        return lambda: dist.all_gather_into_tensor(received, sent)
     slot1, slot2 = cost.parts["slot1"], cost.parts["slot2"]
     a2a_in = torch.zeros(world_size * slot1, dtype=torch.uint8)
     a2a_out = torch.empty_like(a2a_in)
     second = torch.zeros(slot2, dtype=torch.uint8)
     second_out = torch.empty(world_size * slot2, dtype=torch.uint8)
-    inflight.hold(a2a_in, a2a_out, second, second_out)
+    a2a_in, a2a_out, second, second_out = inflight.hold(a2a_in, a2a_out, second, second_out)
 
     def chunked():
         dist.all_to_all_single(a2a_out, a2a_in)

@@ -162,8 +162,8 @@ class _Run:
         self.net.eval()
         sums = self.workload.evaluate_sums(self.net, self.rank, self.world_size, self.device)
         self.net.train()
-        inflight.hold(sums)  # Gloo's thread must not be the last owner of a Python tensor at exit
-        dist.all_reduce(sums)
+        (handed,) = inflight.hold(sums)  # Gloo's thread must not be the last owner of a Python tensor at exit
+        dist.all_reduce(handed)
         metrics = self.workload.metrics(sums.cpu())
         self.emit({"event": "eval", "step": step, "train_time_s": train_time, **metrics})
         return metrics

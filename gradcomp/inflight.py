@@ -17,11 +17,14 @@ blocking or not, has the window; slow kernels and busy threads on a loaded machi
 
 The remedy has two parts:
 
-* Every tensor handed to a collective gets one more C++ owner here (a ``torch.ScriptList``, a
-  C++ list of tensors) before the collective starts, so the communication thread's
-  release is never the 2 -> 1 step: it never takes the GIL for a tensor. The owner is dropped on
-  the calling Python thread once the communication thread has let go (its use count is back to
-  what it was before the collective).
+* A collective is never handed the caller's tensor but an alias of it (:func:`hold`: the same
+  storage, a ``TensorImpl`` of its own) that only the collective and this module own, plus one more
+  C++ owner here (a ``torch.ScriptList``, a C++ list of tensors). The communication thread's
+  release is then never the 2 -> 1 step: it never takes the GIL for a tensor. The owner and the
+  alias are dropped on a Python thread once the alias's use count is back to what this module
+  alone gives it. Counting on the caller's tensor instead is wrong when it has other C++ owners
+  (DDP's reducer owns its bucket buffers): when one of them lets go first, the count falls back
+  while the collective still holds the tensor.
 * Every callback is watched through a weak reference, and at interpreter exit (``atexit`` runs
   before finalization starts) the main thread waits, bounded by :data:`EXIT_WAIT_S`, until the
   communication threads have destroyed every callback and let go of every tensor.
@@ -86,18 +89,22 @@ def _owner_of(tensor: torch.Tensor):
     return torch._C.ScriptList([tensor])
 
 
-def hold(*tensors: torch.Tensor) -> None:
-    """Hold ``tensors`` until the collective they are about to be handed to lets go of them.
+def hold(*tensors: torch.Tensor) -> List[torch.Tensor]:
+    """What to hand to a collective in place of ``tensors``: one alias per tensor (``detach()``: the
+    same storage, no autograd, a ``TensorImpl`` of its own), owned here until the collective lets go.
 
-    Call it *before* starting the collective: the use count taken now is what "let go" means
-    (a bucket buffer is also held by DDP's reducer, a fresh buffer by no one else).
+    Call it *before* starting the collective and hand the collective the aliases; what it writes
+    into them is in ``tensors``. Nothing else owns an alias, so "let go" is exact even when the
+    caller's tensor has other C++ owners that may drop it meanwhile (see the module docstring).
     """
+    aliases = [tensor.detach() for tensor in tensors]
     with _lock:
         _install_exit_hook()
         _prune()
-        for tensor in tensors:
-            owner = _owner_of(tensor)
-            _held.append((tensor, owner, tensor._use_count()))
+        for alias in aliases:
+            owner = _owner_of(alias)
+            _held.append((alias, owner, alias._use_count()))
+    return aliases
 
 
 def watch(callback: Callable) -> Callable:
@@ -144,13 +151,13 @@ def all_gather_object(obj: Any, group: Optional[object] = None) -> List[Any]:
     world_size = dist.get_world_size(group)
     size = torch.tensor([mine.numel()], dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(world_size)]
-    hold(size, *sizes)
-    dist.all_gather(sizes, size, group=group)
+    size_sent, *sizes_received = hold(size, *sizes)
+    dist.all_gather(sizes_received, size_sent, group=group)
     lengths = [int(s) for s in sizes]
     padded = torch.zeros(max(lengths), dtype=torch.uint8)
     padded[: mine.numel()] = mine
     parts = [torch.empty_like(padded) for _ in range(world_size)]
-    hold(padded, *parts)
-    dist.all_gather(parts, padded, group=group)
+    padded_sent, *parts_received = hold(padded, *parts)
+    dist.all_gather(parts_received, padded_sent, group=group)
     return [torch.load(io.BytesIO(part[:length].numpy().tobytes()), weights_only=True)
             for part, length in zip(parts, lengths)]

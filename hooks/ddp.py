@@ -61,16 +61,16 @@ class TorchDistributedTransport(Transport):
         # dividing by P) is what DDP's built-in reducer does, so a dense step is bitwise
         # equal to DDP without a hook.
         tensor.mul_(1.0 / self.world_size)
-        inflight.hold(tensor)  # Gloo's thread must not be its last owner at exit (see gradcomp.inflight)
-        return dist.all_reduce(tensor, group=self._group, async_op=True).get_future()
+        (handed,) = inflight.hold(tensor)  # Gloo's thread must not be its last owner at exit (see gradcomp.inflight)
+        return dist.all_reduce(handed, group=self._group, async_op=True).get_future()
 
     def allgather(self, buffer: torch.Tensor, name: str) -> torch.futures.Future:
         """Start an allgather of the 1-D uint8 ``buffer`` (the same size on every rank); the future's
         value is ``[gathered]``, uint8 ``[world_size * buffer.numel()]``."""
         gathered = torch.empty(self.world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
-        # Held until Gloo's thread lets go of them, so it never needs the GIL at exit (see inflight).
-        inflight.hold(buffer, gathered)
-        work = _all_gather_flat(gathered, buffer, group=self._group, async_op=True)
+        # Aliases held until Gloo's thread lets go of them, so it never needs the GIL at exit (see inflight).
+        sent, received = inflight.hold(buffer, gathered)
+        work = _all_gather_flat(received, sent, group=self._group, async_op=True)
 
         # The work's own future does not carry the output tensor on every backend (Gloo gives back
         # the input), so hand on the buffer gathered into -- after value() has re-raised any failure.
@@ -82,14 +82,15 @@ class TorchDistributedTransport(Transport):
 
     def all_to_all(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         received = torch.empty_like(buffer)
-        inflight.hold(buffer, received)  # blocking, but Gloo's thread still destroys the work after wait()
-        dist.all_to_all_single(received, buffer, group=self._group)  # Gloo (CPU) and NCCL have it
+        # Blocking, but Gloo's thread still destroys the work after wait(): hand it held aliases.
+        outgoing, incoming = inflight.hold(buffer, received)
+        dist.all_to_all_single(incoming, outgoing, group=self._group)  # Gloo (CPU) and NCCL have it
         return received
 
     def agree(self, fingerprint: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(fingerprint) for _ in range(self.world_size)]
-        inflight.hold(fingerprint, *parts)
-        dist.all_gather(parts, fingerprint, group=self._group)
+        sent, *received = inflight.hold(fingerprint, *parts)
+        dist.all_gather(received, sent, group=self._group)
         return torch.stack(parts)
 
 

@@ -60,8 +60,9 @@ class FSDPTransport(TorchDistributedTransport):
         Blocking: Gloo's reduce-scatter work has no future, and FSDP reads the output as soon as its
         ``ReduceScatter`` returns anyway."""
         out = torch.empty(tensor.numel() // self.world_size, dtype=tensor.dtype, device=tensor.device)
-        inflight.hold(tensor, out)  # Gloo's thread must not be their last owner at exit (gradcomp.inflight)
-        _reduce_scatter_flat(out, tensor, op=dist.ReduceOp.AVG, group=self._group)
+        # Held aliases: Gloo's thread must not be the last owner of a Python tensor at exit (gradcomp.inflight).
+        received, sent = inflight.hold(out, tensor)
+        _reduce_scatter_flat(received, sent, op=dist.ReduceOp.AVG, group=self._group)
         done: torch.futures.Future = torch.futures.Future()
         done.set_result([out])
         return done

@@ -184,71 +184,90 @@ def count_collective_bytes(rank, world_size, steps):
         ddp_hook._all_gather_flat, dist.all_reduce = real_gather, real_reduce
 
 
-def transport_holds(rank, world_size):
-    """Run each collective of the DDP transport once and record which tensors went through
-    ``gradcomp.inflight.hold`` first: ``{collective: (tensors held, tensors handed to Gloo)}``,
-    each as a set of ``(data_ptr, numel)``. The recorder wraps the project's own function; the
-    collectives are real."""
+def _spy_on_holds_and_collectives(names):
+    """Wrap ``gradcomp.inflight.hold`` and the collectives ``names`` (attributes of
+    ``torch.distributed`` and of ``gradcomp.hooks.ddp``; the real ones still run) to record the
+    ``id`` of every alias ``hold`` returned and of every tensor handed to a collective. Returns
+    ``(held, handed, restore)``."""
     from gradcomp import inflight
 
-    held = []
-    original = inflight.hold
+    held, handed, originals = set(), set(), []
 
     def recording_hold(*tensors):
-        held.extend(tensors)
-        original(*tensors)
+        aliases = original_hold(*tensors)
+        held.update(id(alias) for alias in aliases)
+        return aliases
 
+    def recording(collective):
+        def call(*args, **kwargs):
+            for arg in [*args, *kwargs.values()]:
+                for tensor in (arg if isinstance(arg, (list, tuple)) else [arg]):
+                    if isinstance(tensor, torch.Tensor):
+                        handed.add(id(tensor))
+            return collective(*args, **kwargs)
+        return call
+
+    original_hold = inflight.hold
     inflight.hold = recording_hold
+    for module, name in names:
+        originals.append((module, name, getattr(module, name)))
+        setattr(module, name, recording(getattr(module, name)))
+
+    def restore():
+        inflight.hold = original_hold
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+    return held, handed, restore
+
+
+def transport_holds(rank, world_size):
+    """Run each collective of the DDP transport once and record whether every tensor it handed to
+    Gloo is an alias that ``gradcomp.inflight.hold`` returned: ``{collective: (ids held, ids
+    handed)}``, and whether everything was let go of at the end. The collectives are real."""
+    from gradcomp import inflight
+
+    names = [(dist, "all_reduce"), (dist, "all_to_all_single"), (dist, "all_gather"), (gc_ddp, "_all_gather_flat")]
+    held, handed, restore = _spy_on_holds_and_collectives(names)
     try:
         transport = gc_ddp.TorchDistributedTransport()
-        keys = lambda tensors: {(t.data_ptr(), t.numel()) for t in tensors}  # noqa: E731
         report = {}
         buffer = torch.full((16,), rank, dtype=torch.uint8)
-        gathered = transport.allgather(buffer, "g").wait()[0]
-        report["allgather"] = (keys(held), keys([buffer, gathered]))
-        held.clear()
+        # An extra C++ owner that lets go while the collective runs, as DDP's reducer may.
+        reducer = torch._C.ScriptList([buffer])
+        future = transport.allgather(buffer, "g")
+        del reducer
+        assert inflight.pending() >= 2, "the allgather's tensors were let go of before Gloo was done"
+        future.wait()
+        report["allgather"] = (set(held), set(handed))
+        held.clear(), handed.clear()
         dense = torch.ones(16)
-        reduced = transport.allreduce_average(dense, "r").wait()[0]
-        report["allreduce"] = (keys(held), keys([dense, reduced]))
-        held.clear()
-        outgoing = torch.arange(16, dtype=torch.uint8)
-        received = transport.all_to_all(outgoing, "a")
-        report["all_to_all"] = (keys(held), keys([outgoing, received]))
-        held.clear()
-        fingerprint = torch.tensor([rank, 7], dtype=torch.int64)
-        transport.agree(fingerprint)
-        report["agree"] = (keys(held), {(fingerprint.data_ptr(), fingerprint.numel())})
+        transport.allreduce_average(dense, "r").wait()
+        report["allreduce"] = (set(held), set(handed))
+        held.clear(), handed.clear()
+        transport.all_to_all(torch.arange(16, dtype=torch.uint8), "a")
+        report["all_to_all"] = (set(held), set(handed))
+        held.clear(), handed.clear()
+        transport.agree(torch.tensor([rank, 7], dtype=torch.int64))
+        report["agree"] = (set(held), set(handed))
         report["released"] = inflight.wait_until_released(timeout_s=10.0)
         return report
     finally:
-        inflight.hold = original
+        restore()
 
 
 def gathers_hold(rank, world_size):
     """Gather every rank's gradcomp state the way a loop that saves one file does
     (``state.full_state_dict()``), spying on ``torch.distributed.all_gather`` (the real one still
-    runs): ``(tensors held, tensors handed to Gloo)`` as sets of ``(data_ptr, numel)``, and whether
-    every rank's state came back."""
+    runs): ``(ids held, ids handed to Gloo)``, and whether every rank's state came back."""
     from gradcomp import inflight
 
-    held, handed = [], []
-    original_hold, original_gather = inflight.hold, dist.all_gather
-
-    def recording_hold(*tensors):
-        held.extend(tensors)
-        original_hold(*tensors)
-
-    def recording_gather(outputs, tensor, *args, **kwargs):
-        handed.extend([*outputs, tensor])
-        return original_gather(outputs, tensor, *args, **kwargs)
-
-    inflight.hold, dist.all_gather = recording_hold, recording_gather
+    held, handed, restore = _spy_on_holds_and_collectives([(dist, "all_gather")])
     try:
         model = make_model("mlp")
         state = gc_ddp.register(DDP(model), gradcomp.TopK(0.05), warmup_steps=0, min_numel=0)
         full = state.full_state_dict()
-        keys = lambda tensors: {(t.data_ptr(), t.numel()) for t in tensors}  # noqa: E731
-        return {"held": keys(held), "handed": keys(handed), "ranks": len(full["ranks"]),
+        return {"held": set(held), "handed": set(handed), "ranks": len(full["ranks"]),
                 "released": inflight.wait_until_released(timeout_s=10.0)}
     finally:
-        inflight.hold, dist.all_gather = original_hold, original_gather
+        restore()

@@ -1,6 +1,6 @@
 """One rank of a two-rank job whose last collective is freed by Gloo's thread as the script ends.
 
-``python late_gloo_worker.py PORT RANK MODE`` (MODE ``bare`` or ``held``). Forces the teardown
+``python late_gloo_worker.py PORT RANK MODE`` (MODE ``bare``, ``held`` or ``shared``). Forces the teardown
 order of the measured exit abort (``gradcomp.inflight``): rank 0 starts an allgather of large
 Python-created tensors and drops every Python reference to them and to the work, so Gloo's
 thread is their last owner. Rank 1 joins 2 s later; Gloo's thread on rank 0 then frees the tensors,
@@ -10,9 +10,14 @@ the main thread takes the GIL and begins finalizing while Gloo's thread is still
 tensor's destructor, which then cannot take the GIL back (``pthread_exit``, ``std::terminate``).
 With MODE ``held`` the tensors are held by ``gradcomp.inflight`` first, as gradcomp holds every
 tensor it hands to a collective: Gloo's thread never frees a Python object, and the exit waits.
+MODE ``shared`` holds tensors that have two more C++ owners (DDP's reducer and the hook's GradBucket
+own a bucket buffer) which let go while Gloo still holds them: counting the tensor's own owners took
+that for Gloo's release and let go too early (3 of 3 jobs aborted); holding an alias that only the
+collective and ``gradcomp.inflight`` own does not (3 of 3 exited 0).
 """
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -32,19 +37,25 @@ if rank == 1:
     time.sleep(2.0)
     dist.all_gather(outputs, tensor)
     sys.exit(0)
-if mode == "held":
+freeing = []  # whether the thread that freed the caller's first output was the main thread
+weakref.finalize(outputs[0], lambda: freeing.append(threading.current_thread() is threading.main_thread()))
+# Two more C++ owners of each tensor, as DDP's reducer and the hook's GradBucket own a bucket buffer.
+reducer = torch._C.ScriptList([tensor, *outputs] * 2) if mode == "shared" else None
+if mode in ("held", "shared"):
     from gradcomp import inflight
 
-    inflight.hold(tensor, *outputs)
-freeing = []
-weakref.finalize(outputs[0], freeing.append, True)  # runs on the thread that frees the tensor
+    tensor, *outputs = inflight.hold(tensor, *outputs)  # what to hand to Gloo
 work = dist.all_gather(outputs, tensor, async_op=True)
 del outputs, tensor, work  # Gloo's thread is now the last owner (bare) or not (held)
+if mode == "shared":
+    del reducer  # the model is freed while Gloo still holds its buckets...
+    inflight.pending()  # ...and the next collective's hold prunes what was let go of
 # As a script that used DDP leaves it: the group destroyed, an object still referencing it, so
 # CPython frees it while finalizing and joins Gloo's threads there.
 group = dist.group.WORLD
 dist.destroy_process_group()
-deadline = time.time() + (30.0 if mode == "bare" else 4.0)
+deadline = time.time() + 30.0
 while not freeing and time.time() < deadline:
     pass  # spin, holding the GIL whenever Gloo's thread lets go of it
-print("freed by Gloo's thread" if freeing else "not freed by Gloo's thread", flush=True)
+outcome = {(): "not freed", (True,): "freed by the main thread", (False,): "freed by Gloo's thread"}
+print(outcome[tuple(freeing)], flush=True)

@@ -25,8 +25,8 @@ def main(rank: int, world_size: int, port: int, join: bool) -> None:
         tensor = torch.full((1 << 18,), float(rank + 1))  # 1 MB
         for _ in range(3):
             total = tensor.clone()
-            inflight.hold(total)  # Gloo's thread must not be its last owner at exit
-            dist.all_reduce(total)
+            (handed,) = inflight.hold(total)  # Gloo's thread must not be its last owner at exit
+            dist.all_reduce(handed)
             expected = world_size * (world_size + 1) / 2
             if not bool((total == expected).all()):
                 raise SystemExit(f"rank {rank}: allreduce gave {total[:4].tolist()}, expected {expected}")

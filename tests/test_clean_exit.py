@@ -59,19 +59,35 @@ def test_ddp_job_on_numba_exits_cleanly_30_times_in_a_row():
         )
 
 
-def test_a_held_tensor_has_one_more_cxx_owner_until_the_collective_lets_go():
+def test_a_held_alias_has_one_more_cxx_owner_until_the_collective_lets_go():
     # The collective's reference is stood in for by a C++ list; what matters is that its release
     # is never the step from 2 owners to 1, the one that takes the GIL for the Python object.
     base = torch.zeros(8)
     for tensor in (base, base[2:6]):  # a view is owned through its own TensorImpl, not its base's
         alone = tensor._use_count()
-        inflight.hold(tensor)
-        assert tensor._use_count() == alone + 1
-        collective = torch._C.ScriptList([tensor])
-        assert inflight.pending() >= 1 and tensor._use_count() == alone + 2
+        (alias,) = inflight.hold(tensor)
+        assert alias.data_ptr() == tensor.data_ptr() and alias is not tensor
+        assert tensor._use_count() == alone  # the caller's tensor is not what is counted
+        own = alias._use_count()
+        collective = torch._C.ScriptList([alias])
+        assert inflight.pending() >= 1 and alias._use_count() == own + 1
         del collective  # the collective lets go: 3 -> 2 on its thread, no GIL needed
         assert inflight.wait_until_released(timeout_s=1.0)
-        assert tensor._use_count() == alone  # the owner was dropped here, on the Python thread
+        assert alias._use_count() == own - 1  # the owner was dropped here, on the Python thread
+
+
+def test_a_tensor_whose_other_owner_lets_go_first_stays_held_until_the_collective_does():
+    # DDP's reducer owns its bucket buffers; when the model is freed while Gloo still holds a
+    # bucket, counting the bucket's own owners would take the reducer's release for the
+    # collective's and let go too early (the abort of issue 31's last path).
+    bucket = torch.zeros(8)
+    reducer = torch._C.ScriptList([bucket])
+    (alias,) = inflight.hold(bucket)
+    collective = torch._C.ScriptList([alias])
+    del reducer
+    assert inflight.pending() >= 1 and not inflight.wait_until_released(timeout_s=0.05)
+    del collective
+    assert inflight.wait_until_released(timeout_s=1.0)
 
 
 @pytest.mark.multiprocess
@@ -101,6 +117,7 @@ def run_late_gloo_job(mode: str) -> subprocess.CompletedProcess:
 def test_a_late_gloo_thread_aborts_a_finished_script_unless_its_tensors_are_held():
     # The measured abort, forced (late_gloo_worker.py): Gloo's thread frees a Python tensor while
     # the script ends. Measured under load 7: 6 of 6 bare jobs aborted, 6 of 6 held jobs exited 0.
+    # "shared": the tensors have other C++ owners (DDP's reducer) that let go while Gloo holds them.
     bare = []
     for _ in range(2):  # a second try only where the first did not abort
         bare.append(run_late_gloo_job("bare"))
@@ -108,9 +125,9 @@ def test_a_late_gloo_thread_aborts_a_finished_script_unless_its_tensors_are_held
             break
     assert any(p.returncode in (-6, 134) and "terminate called" in p.stderr for p in bare), (
         f"the forced teardown order no longer aborts a bare script: {[(p.returncode, p.stderr[-300:]) for p in bare]}")
-    for _ in range(2):
-        held = run_late_gloo_job("held")
-        assert held.returncode == 0, f"held tensors did not keep the exit clean: {held.returncode} {held.stderr[-400:]}"
+    for mode in ("held", "shared", "held", "shared"):
+        held = run_late_gloo_job(mode)
+        assert held.returncode == 0, f"{mode}: the exit was not clean: {held.returncode} {held.stderr[-400:]}"
 
 
 @pytest.mark.multiprocess
