@@ -63,19 +63,21 @@ def test_gradient_exchange_round_trips_units_and_steps_adam_with_the_frozen_vari
     stage.after_average(keys, numels, back, dense=False)
     torch.testing.assert_close(back, grad, rtol=1e-6, atol=0)
     # The step: exp_avg from .grad (with Adam's L2 term), the frozen denominator, bias correction.
-    expected = []
+    expected, given = [], []
     for p in net.parameters():
         state, g = optimizer.state[p], p.grad * 0.5  # a loop that scaled .grad (a clip) is obeyed
         p.grad = g.clone()
+        given.append(g.clone())
         if kind == "adam-l2":
             g = g + 0.1 * p.detach()
         m = torch.lerp(state["exp_avg"], g, 0.1)
         start = p.detach() * (1 - 1e-2 * 0.1) if kind == "adamw" else p.detach()
         expected.append(start - 1e-2 / (1 - 0.9**11) * m / state["frozen_denom"])
     optimizer.step()
-    for p, e in zip(net.parameters(), expected):
+    for p, e, g in zip(net.parameters(), expected, given):
         torch.testing.assert_close(p.detach(), e)
-        assert p.grad is None and int(optimizer.state[p]["step"]) == 11
+        # .grad is as the loop left it before the step, as without gradcomp.
+        assert torch.equal(p.grad, g) and int(optimizer.state[p]["step"]) == 11
 
 
 def test_momentum_exchange_keeps_this_ranks_first_moment_transactionally():

@@ -105,8 +105,12 @@ class FrozenVarianceAdam:
         #: ``exchange="momentum"``: this rank's first moment per parameter name (float32, flat).
         self.moments: Dict[Hashable, torch.Tensor] = {}
         self._pending: Dict[Tuple[Hashable, ...], List[Tuple[Hashable, torch.Tensor]]] = {}
+        # Gradients cleared so that the optimizer's own step skips their parameters, put back after it.
+        self._cleared: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         # after_closure: in optimizer.step(closure) this step's gradients exist only after the closure.
         self._hook = optimizer.register_step_pre_hook(after_closure(self.before_optimizer_step)) if step_hook else None
+        if step_hook:
+            optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step())
 
     def parameter_names(self):
         """The names this stage knows (the engine's keys)."""
@@ -194,8 +198,10 @@ class FrozenVarianceAdam:
     @torch.no_grad()
     def before_optimizer_step(self) -> None:
         """The frozen-variance update of every frozen parameter of :attr:`optimizer` with a gradient
-        (before the optimizer's own step); clears its ``grad`` so that the optimizer's own step skips it."""
+        (before the optimizer's own step); clears its ``grad`` so that the optimizer's own step skips
+        it, until :meth:`after_optimizer_step` puts it back."""
         optimizer = self.optimizer
+        self._cleared = []
         for group in optimizer.param_groups:
             beta1 = group["betas"][0]
             lr, wd = float(group["lr"]), group["weight_decay"]
@@ -214,7 +220,16 @@ class FrozenVarianceAdam:
                     param.mul_(1 - lr * wd)
                 param.addcdiv_(exp_avg, self._denom(param, group), value=-lr / (1 - beta1**t))
                 state["step"] += 1
+                self._cleared.append((param, param.grad))
                 param.grad = None
+
+    def after_optimizer_step(self) -> None:
+        """Put back the gradients :meth:`before_optimizer_step` cleared (each ``param.grad`` is
+        mutated): after ``optimizer.step()`` a loop sees ``.grad`` as it would without gradcomp."""
+        for param, grad in self._cleared:
+            if param.grad is None:  # a loop that set a gradient meanwhile keeps its own
+                param.grad = grad
+        self._cleared = []
 
     # -- settings and checkpoints -------------------------------------------------------------
     def _recipe(self) -> dict:

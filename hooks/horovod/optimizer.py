@@ -153,10 +153,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        before = getattr(self.engine.transform, "before_optimizer_step", None)
-        if callable(before):  # an optimizer stage that needs the averaged gradients (FrozenVarianceAdam)
-            before()
-        return super(self.__class__, self).step(closure)
+        transform = self.engine.transform
+        staged = callable(getattr(transform, "before_optimizer_step", None))
+        if staged:  # an optimizer stage that needs the averaged gradients (FrozenVarianceAdam)
+            transform.before_optimizer_step()
+        loss = super(self.__class__, self).step(closure)
+        if staged:
+            transform.after_optimizer_step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True):
         if self._handles:
