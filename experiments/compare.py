@@ -296,6 +296,9 @@ def execute(run: Run, args, runs_dir: str) -> dict:
 #: The quick mode's convergence runs (charlm-small, AdamW) and links.
 QUICK_STEPS = 200
 QUICK_LINKS = ("unshaped", "1gbit", "100mbit", "10mbit")
+#: Interleaved rounds and timed steps per round of the quick mode's step times: with 3 x 5 the
+#: round medians spread 15-30 % on 1 Gbit/s and the unshaped loopback (2 cores, load 0.4).
+QUICK_ROUNDS, QUICK_TIMED_STEPS = 5, 8
 
 
 def quick(args) -> int:
@@ -307,7 +310,7 @@ def quick(args) -> int:
          "--optimizers", "adamw", "--steps", str(args.steps or QUICK_STEPS), "--methods", "dense,topk,twobit,powersgd",
          "--link", "unshaped"],
         ["experiments.step_times", "--workload", "charlm-small", "--optimizer", "adamw", "--links",
-         args.links or ",".join(QUICK_LINKS), "--rounds", "3", "--steps", "5",
+         args.links or ",".join(QUICK_LINKS), "--rounds", str(QUICK_ROUNDS), "--steps", str(QUICK_TIMED_STEPS),
          "--out", os.path.join(out, "step_times")],
         ["experiments.time_to_accuracy", "--convergence", os.path.join(out, "convergence"), "--step-times",
          os.path.join(out, "step_times"), "--out", os.path.join(out, "time_to_accuracy")],
