@@ -77,6 +77,11 @@ def time_table(rows: List[dict]) -> str:
             ratio = None if row is None else row["time_ratio_vs_dense"]
             cells.append("never" if row is not None and ratio is None else ("–" if row is None else f"{ratio:.2f}x"))
         lines.append(f"| {link} | {'–' if over is None else f'{over:.2f}'} | " + " | ".join(cells) + " |")
+    spreads = [r["spread"] for r in rows if r.get("spread") is not None]
+    loads = sorted({str(r["load_before"]) for r in rows if r.get("load_before") is not None})
+    if spreads:
+        lines.append(f"\nStep times: medians of interleaved rounds, spread between rounds {min(spreads):.0%}–"
+                     f"{max(spreads):.0%}; load before the timing: {', '.join(loads) or 'not recorded'}.")
     return "\n".join(lines) + "\n"
 
 
@@ -87,7 +92,10 @@ def render(readme: str, root: str = ROOT) -> str:
     """``readme`` with every generated block rewritten from its source file."""
     def replace(match) -> str:
         name = match.group(2)
-        with open(os.path.join(root, SOURCES[name])) as f:
+        path = os.path.join(root, SOURCES[name])
+        if not os.path.exists(path):  # a study not yet run at this commit: say so, never keep old figures
+            return match.group(1) + f"_Not measured at this commit: `{SOURCES[name]}` is missing._\n" + match.group(4)
+        with open(path) as f:
             rows = json.load(f)
         return match.group(1) + TABLES[name](rows) + match.group(4)
 

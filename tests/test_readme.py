@@ -86,3 +86,9 @@ def test_opt_out_needs_a_marker_with_a_reason(tmp_path):
     assert (first.line, first.opt_out_reason, first.kind) == (2, "needs a GPU", "ddp")
     assert (second.line, second.opt_out_reason, second.kind) == (7, None, "horovod")
     assert third.opt_out_reason == ""  # marked without a reason: the test above fails for it
+
+
+def test_the_readmes_generated_tables_are_the_results_files():
+    from experiments import readme_tables
+
+    assert readme_tables.main(["--check"]) == 0, "run python -m experiments.readme_tables"
