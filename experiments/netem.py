@@ -41,10 +41,11 @@ Example::
     python -m experiments.netem --rate 1gbit --check            # measure the shaped rate
     python -m experiments.netem --rate 100mbit -- python -m experiments.train ...
     python -m experiments.netem --clean                         # remove stale namespaces
+
+The command line is :func:`experiments.netem_probe.main`, beside the probes that ``--check`` runs.
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import os
@@ -384,46 +385,8 @@ def join_rank_namespace(rank: int, env: Optional[Dict[str, str]] = None) -> Opti
     return names[rank]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.netem",
-        description="Run a command over an emulated link (a tbf-shaped loopback in a private namespace)."
-    )
-    parser.add_argument("--rate", default=UNSHAPED, help="tc rate such as 1gbit, 100mbit; 'unshaped' for none")
-    parser.add_argument("--check", action="store_true", help="measure the link's TCP throughput")
-    parser.add_argument("--link-mode", choices=LINK_MODES, default="shared",
-                        help="shared: one shaped loopback for all ranks (the rate is their sum); duplex: a namespace "
-                             "per rank joined by veth pairs, each direction shaped at the rate")
-    parser.add_argument("--ranks", type=int, default=2, help="duplex: how many rank namespaces")
-    parser.add_argument("--clean", action="store_true", help="delete stale gcnetem-* namespaces and exit")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="limit for the command, seconds")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command to run inside the link")
-    args = parser.parse_args(argv)
-    if args.clean:
-        print("removed:", " ".join(clean_stale()) or "nothing")
-        return 0
-    try:
-        parse_rate(args.rate)
-    except ValueError as error:
-        parser.error(str(error))
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    from experiments.launch import run_bounded
-    from experiments.netem_probe import measure_duplex_gbit_s, measure_gbit_s
-
-    with link(args.rate, args.link_mode, args.ranks) as shaped:
-        where = shaped.namespace or ",".join(shaped.rank_namespaces) or "-"
-        print(f"netem: link={shaped.label} mode={shaped.mode} namespace={where}", file=sys.stderr, flush=True)
-        if args.check and shaped.rank_namespaces:
-            alone = measure_duplex_gbit_s(shaped, 64 << 20, both=False)[0]
-            both = measure_duplex_gbit_s(shaped, 64 << 20, both=True)
-            print(f"netem: rank 0 -> 1 alone {alone:.3f} Gbit/s; both at once: 1 -> 0 {both[0]:.3f}, "
-                  f"0 -> 1 {both[1]:.3f} Gbit/s", flush=True)
-        elif args.check:
-            print(f"netem: one TCP stream over the link: {measure_gbit_s(shaped):.3f} Gbit/s", flush=True)
-        if command:
-            return run_bounded(shaped.command(command), timeout=args.timeout, env=shaped.env())
-    return 0
-
-
 if __name__ == "__main__":
+    # The command line is experiments.netem_probe's (it prints the probes' rates for --check).
+    from experiments.netem_probe import main
+
     sys.exit(main())

@@ -1,21 +1,26 @@
-"""Throughput probes of an emulated link (:mod:`experiments.netem`): what rate a link really has.
+"""Throughput probes of an emulated link (:mod:`experiments.netem`): what rate a link really has;
+and the command line that runs a command over such a link.
 
 * :func:`measure_gbit_s`: one TCP stream over a shared link's loopback.
 * :func:`measure_duplex_gbit_s`: between the rank namespaces of a full-duplex link, one way or
   both ways at once.
 
-``python -m experiments.netem --rate R --check`` prints them; the tests use them to show that a
-shaped link has the rate asked for.
+The tests use them to show that a shaped link has the rate asked for.
+
+:func:`main` is the command line of :mod:`experiments.netem` (run as ``python -m experiments.netem``):
+run a command over an emulated link, ``--check`` to print the probes' rates, ``--clean`` to remove
+stale namespaces.
 """
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from typing import List
 
-from experiments.netem import Link
+from experiments.netem import LINK_MODES, UNSHAPED, Link, clean_stale, link, parse_rate
 
-__all__ = ["measure_gbit_s", "measure_duplex_gbit_s"]
+__all__ = ["measure_gbit_s", "measure_duplex_gbit_s", "main"]
 
 
 # A throughput probe that runs inside the link: one TCP stream over 127.0.0.1.
@@ -115,3 +120,44 @@ def measure_duplex_gbit_s(shaped: Link, nbytes: int = 4 << 20, both: bool = True
         raise RuntimeError(f"the duplex probe failed: exit {[p.returncode for p in processes]}")
     rates = [float(out.strip().splitlines()[-1]) for out in outputs]  # [rank 1 received, rank 0 received]
     return [rates[1], rates[0]] if both else [rates[0]]
+
+
+def main(argv=None) -> int:
+    """``python -m experiments.netem``: run a command over an emulated link; the command's exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.netem",
+        description="Run a command over an emulated link (a tbf-shaped loopback in a private namespace)."
+    )
+    parser.add_argument("--rate", default=UNSHAPED, help="tc rate such as 1gbit, 100mbit; 'unshaped' for none")
+    parser.add_argument("--check", action="store_true", help="measure the link's TCP throughput")
+    parser.add_argument("--link-mode", choices=LINK_MODES, default="shared",
+                        help="shared: one shaped loopback for all ranks (the rate is their sum); duplex: a namespace "
+                             "per rank joined by veth pairs, each direction shaped at the rate")
+    parser.add_argument("--ranks", type=int, default=2, help="duplex: how many rank namespaces")
+    parser.add_argument("--clean", action="store_true", help="delete stale gcnetem-* namespaces and exit")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="limit for the command, seconds")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command to run inside the link")
+    args = parser.parse_args(argv)
+    if args.clean:
+        print("removed:", " ".join(clean_stale()) or "nothing")
+        return 0
+    try:
+        parse_rate(args.rate)
+    except ValueError as error:
+        parser.error(str(error))
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    from experiments.launch import run_bounded
+
+    with link(args.rate, args.link_mode, args.ranks) as shaped:
+        where = shaped.namespace or ",".join(shaped.rank_namespaces) or "-"
+        print(f"netem: link={shaped.label} mode={shaped.mode} namespace={where}", file=sys.stderr, flush=True)
+        if args.check and shaped.rank_namespaces:
+            alone = measure_duplex_gbit_s(shaped, 64 << 20, both=False)[0]
+            both = measure_duplex_gbit_s(shaped, 64 << 20, both=True)
+            print(f"netem: rank 0 -> 1 alone {alone:.3f} Gbit/s; both at once: 1 -> 0 {both[0]:.3f}, "
+                  f"0 -> 1 {both[1]:.3f} Gbit/s", flush=True)
+        elif args.check:
+            print(f"netem: one TCP stream over the link: {measure_gbit_s(shaped):.3f} Gbit/s", flush=True)
+        if command:
+            return run_bounded(shaped.command(command), timeout=args.timeout, env=shaped.env())
+    return 0

@@ -80,7 +80,7 @@ def _replica(method: str, net, workload, loop, args):
 
 def _step(replica, workload, loop, rank: int, step: int) -> float:
     """One timed optimizer step of a replica; seconds."""
-    from experiments.convergence import _ddp_step
+    from experiments.convergence_ddp import _ddp_step
 
     ddp, model, optimizer, scheduler = replica
     started = time.perf_counter()

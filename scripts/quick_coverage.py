@@ -23,10 +23,10 @@ PRODUCT = ("gradcomp", "hooks", "csrc", "experiments")
 # imports them or starts them with -m): run only by slow tests (test_convergence.py, whose every test is
 # slow, and test_compare_tiny_writes_results_and_plots) or by none. Reported, not failed.
 NOT_QUICK = {
-    "experiments/compile_step_time.py", "experiments/convergence.py", "experiments/exit_codes.py",
-    "experiments/fsdp_memory.py", "experiments/fsdp_train.py", "experiments/gpt.py", "experiments/gpu_selfcheck.py",
-    "experiments/images.py", "experiments/loop.py", "experiments/readme_tables.py", "experiments/simrun.py",
-    "experiments/step_times.py", "experiments/study_report.py", "experiments/suite.py",
+    "experiments/compile_step_time.py", "experiments/convergence.py", "experiments/convergence_ddp.py",
+    "experiments/exit_codes.py", "experiments/fsdp_memory.py", "experiments/fsdp_train.py", "experiments/gpt.py",
+    "experiments/gpu_selfcheck.py", "experiments/images.py", "experiments/loop.py", "experiments/readme_tables.py",
+    "experiments/simrun.py", "experiments/step_times.py", "experiments/study_report.py", "experiments/suite.py",
     "experiments/time_to_accuracy.py",
 }  # fmt: skip
 

@@ -1,10 +1,11 @@
-"""The scaling study's script: model mode (figures and crossovers) and the measuring mode end to end."""
+"""The scaling study's script: model mode (figures and crossovers, :mod:`experiments.scaling`) and the
+measuring mode end to end (:mod:`experiments.scaling_measure`)."""
 import json
 import os
 
 import pytest
 
-from experiments import scaling
+from experiments import scaling, scaling_measure
 
 
 def test_charlm_is_the_10_8m_model():
@@ -32,7 +33,8 @@ def test_study_shapes_and_crossovers(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_measure_mode_runs_two_ranks(tmp_path):
-    records = scaling.measure(str(tmp_path), ["unshaped"], [2], numel=4096, repeats=1, bench=None, timeout_s=240)
+    records = scaling_measure.measure(str(tmp_path), ["unshaped"], [2], numel=4096, repeats=1, bench=None,
+                                      timeout_s=240)
     assert len(records) == 1 and "error" not in records[0], records
     record = records[0]
     assert set(record["measured_s"]) == set(record["predicted_s"])
