@@ -231,20 +231,22 @@ def transport_holds(rank, world_size):
     held, handed, restore = _spy_on_holds_and_collectives(names)
     try:
         transport = gc_ddp.TorchDistributedTransport()
+
+        def recorded():
+            seen = (set(held), set(handed))
+            held.clear()
+            handed.clear()
+            return seen
+
         report = {}
-        buffer = torch.full((16,), rank, dtype=torch.uint8)
-        transport.allgather(buffer, "g").wait()
-        report["allgather"] = (set(held), set(handed))
-        held.clear(), handed.clear()
-        dense = torch.ones(16)
-        transport.allreduce_average(dense, "r").wait()
-        report["allreduce"] = (set(held), set(handed))
-        held.clear(), handed.clear()
+        transport.allgather(torch.full((16,), rank, dtype=torch.uint8), "g").wait()
+        report["allgather"] = recorded()
+        transport.allreduce_average(torch.ones(16), "r").wait()
+        report["allreduce"] = recorded()
         transport.all_to_all(torch.arange(16, dtype=torch.uint8), "a")
-        report["all_to_all"] = (set(held), set(handed))
-        held.clear(), handed.clear()
+        report["all_to_all"] = recorded()
         transport.agree(torch.tensor([rank, 7], dtype=torch.int64))
-        report["agree"] = (set(held), set(handed))
+        report["agree"] = recorded()
         report["released"] = inflight.wait_until_released(timeout_s=10.0)
         return report
     finally:

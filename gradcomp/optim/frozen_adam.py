@@ -108,8 +108,9 @@ class FrozenVarianceAdam:
         # Gradients cleared so that the optimizer's own step skips their parameters, put back after it.
         self._cleared: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         # after_closure: in optimizer.step(closure) this step's gradients exist only after the closure.
-        self._hook = optimizer.register_step_pre_hook(after_closure(self.before_optimizer_step)) if step_hook else None
+        self._hook = None
         if step_hook:
+            self._hook = optimizer.register_step_pre_hook(after_closure(self.before_optimizer_step))
             optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step())
 
     def parameter_names(self):
