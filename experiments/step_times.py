@@ -33,6 +33,8 @@ __all__ = ["main", "summarize"]
 METHODS = ("noop", "dense", "fp16", "powersgd", "topk", "twobit", "auto")
 LINKS = ("unshaped", "10gbit", "1gbit", "100mbit", "10mbit")
 SPECS = {"topk": "topk:0.01", "twobit": "twobit:chunk", "auto": "topk:0.01"}
+#: Methods whose replica is set up on each link it is timed on (a policy measures its link).
+PER_LINK = ("auto",)
 #: Steps the recipes run before timing: through their dense start and ramp, to the final setting.
 PLANNED_STEPS = 40
 
@@ -53,6 +55,15 @@ def _set_link(rate: str) -> None:
                                    "latency", netem.TBF_LATENCY], check=True, capture_output=True, timeout=20)
 
 
+def _agree_on_link(rate: str, rank: int) -> None:
+    """Rank 0 sets the link; every rank waits for it."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        _set_link(rate)
+    dist.barrier()
+
+
 def _replica(method: str, net, workload, loop, args):
     """``(ddp model, optimizer, scheduler)`` of ``method`` on a copy of ``net``."""
     import copy
@@ -68,21 +79,35 @@ def _replica(method: str, net, workload, loop, args):
     ddp = DistributedDataParallel(model)
     optimizer, scheduler = loops.build_optimizer(loop, model)
     dense_bytes = sum(p.numel() * 4 for p in model.parameters())
+    state = None
     if method in ("noop", "dense", "fp16", "powersgd"):
         methods.attach_method(ddp, method, argparse.Namespace(seed=0, backend=None), dense_bytes)
     else:
         kwargs = {"policy": gradcomp.Auto()} if method == "auto" else {}
-        gradcomp.register(ddp, SPECS[method], optimizer=optimizer, total_steps=PLANNED_STEPS, scheduler=scheduler,
-                          **kwargs)
+        state = gradcomp.register(ddp, SPECS[method], optimizer=optimizer, total_steps=PLANNED_STEPS,
+                                  scheduler=scheduler, **kwargs)
     torch.manual_seed(0)
-    return ddp, model, optimizer, scheduler
+    return ddp, model, optimizer, scheduler, state
+
+
+def _policy_summary(replica) -> dict:
+    """What a replica's policy chose (``{}`` without one): the link it fitted and, per choice, how
+    many groups took it and their elements."""
+    policy = replica[4].stats().get("policy") if replica[4] is not None else None
+    if not policy:
+        return {}
+    chosen: Dict[str, List[int]] = {}
+    for decision in policy["groups"].values():
+        groups, numel = chosen.get(decision["choice"], [0, 0])
+        chosen[decision["choice"]] = [groups + 1, numel + decision["numel"]]
+    return {"link": policy["link"], "groups_and_elements": chosen, "trial": policy["trial"]}
 
 
 def _step(replica, workload, loop, rank: int, step: int) -> float:
     """One timed optimizer step of a replica; seconds."""
     from experiments.convergence_ddp import _ddp_step
 
-    ddp, model, optimizer, scheduler = replica
+    ddp, model, optimizer, scheduler, _ = replica
     started = time.perf_counter()
     _ddp_step(ddp, model, workload, loop, optimizer, scheduler, rank, step)
     return time.perf_counter() - started
@@ -105,37 +130,42 @@ def run_rank(rank: int, world_size: int, args) -> None:
     workload = suite.build(args.workload, 0, 32)
     loop = loops.loop_for(args.workload, args.optimizer, PLANNED_STEPS)
     net = workload.build_model()
-    methods = args.methods.split(",")
-    replicas = {m: _replica(m, net, workload, loop, args) for m in methods}
-    counter = {m: 0 for m in methods}
-    if rank == 0:
-        _set_link("unshaped")
-    dist.barrier()
-    for method in methods:  # through the dense start and the ramp, to the final setting
-        for _ in range(PLANNED_STEPS):
-            _step(replicas[method], workload, loop, rank, counter[method])
-            counter[method] += 1
+    methods, links = args.methods.split(","), args.links.split(",")
+    # A policy measures the link it runs on: `auto` has one replica per link, set up on that link.
+    keys = [(m, rate) for m in methods for rate in (links if m in PER_LINK else [None])]
+    replicas = {key: _replica(key[0], net, workload, loop, args) for key in keys}
+    counter = {key: 0 for key in keys}
+
+    def steps(key, count, timed=False):
+        measured = []
+        for _ in range(count):
+            measured.append(_step(replicas[key], workload, loop, rank, counter[key]))
+            counter[key] += 1
+        return statistics.median(measured) if timed else None
+
+    for rate in [None] + links:  # through the dense start and the ramp, to the final setting
+        _agree_on_link("unshaped" if rate is None else rate, rank)
+        for key in (k for k in keys if k[1] == rate):
+            steps(key, PLANNED_STEPS)
     times: Dict[tuple, List[float]] = {}
+    chosen: Dict[str, List[dict]] = {}
     for round_index in range(args.rounds):
-        for rate in args.links.split(","):
-            if rank == 0:
-                _set_link(rate)
-            dist.barrier()
+        for rate in links:
+            _agree_on_link(rate, rank)
             for method in methods:
-                for _ in range(args.settle):
-                    _step(replicas[method], workload, loop, rank, counter[method])
-                    counter[method] += 1
-                measured = []
-                for _ in range(args.steps):
-                    measured.append(_step(replicas[method], workload, loop, rank, counter[method]))
-                    counter[method] += 1
-                times.setdefault((method, rate), []).append(statistics.median(measured))
+                key = (method, rate if method in PER_LINK else None)
+                steps(key, args.settle)
+                times.setdefault((method, rate), []).append(steps(key, args.steps, timed=True))
+                if replicas[key][4] is not None and replicas[key][4].engine.policy is not None:
+                    chosen.setdefault(f"{method}|{rate}", []).append(_policy_summary(replicas[key]))
     from gradcomp import inflight
 
     gathered = inflight.all_gather_object({f"{m}|{r}": v for (m, r), v in times.items()})
     if rank == 0:
         with open(os.path.join(args.out, "rounds.json"), "w") as f:
             json.dump(gathered, f)
+        with open(os.path.join(args.out, "policy_choices.json"), "w") as f:
+            json.dump(chosen, f, indent=1)  # rank 0's; every rank computes the same choices
     dist.barrier()
     dist.destroy_process_group()
 

@@ -11,6 +11,12 @@ payloads; shared the same way, slowest rank kept) and the group gets the candida
 predicted ``comm + compute``; a compressor must beat dense by :attr:`Auto.dense_margin` to be
 chosen. Every rank computes the choice from the same gathered integers, so all ranks agree.
 
+A prediction is not a measurement: a choice that compresses anything is then kept only if whole
+steps with it are measured ``dense_margin`` faster than dense steps (:mod:`gradcomp.step_trial`,
+``trial_steps`` steps per arm); otherwise every group goes dense until the link is found to have
+changed. On the unshaped loopback of a 2-core machine the model predicted fp16 and top-k faster
+(the wire was), and the steps were slower (the CPU that Gloo shares with backward was not).
+
 Re-decisions: a group first seen later (DDP rebuilt its buckets) is decided when it first appears;
 every ``recheck_every`` steps the ranks share how measured exchange times compare with the
 predictions, and if the link looks slower or faster by more than ``link_margin`` its bandwidth is
@@ -44,6 +50,7 @@ from gradcomp import costmodel
 from gradcomp.compressors import from_spec
 from gradcomp.compressors.base import Compressor
 from gradcomp.exchanges import average_gathered
+from gradcomp.step_trial import StepTrial
 
 __all__ = ["Auto", "DEFAULT_CANDIDATES"]
 
@@ -77,14 +84,18 @@ class Auto:
         link_margin: re-decide when measured/predicted exchange time leaves
             ``[1 / (1 + m), 1 + m]`` (default 0.5).
         recheck_every: steps between those checks (default 100; 0: never).
+        trial_steps: steps per arm of the measured trial that keeps a choice only if whole steps
+            with it are at least ``dense_margin`` faster than dense steps (default 8; 0: keep what
+            the model predicts, unmeasured). See :mod:`gradcomp.step_trial`.
         measurement_hook: for tests: ``hook(kind, group, seconds) -> seconds`` replaces each of
             this rank's own measurements (``kind`` ``"link"``: a warm-up dense allreduce,
-            ``"kernel:<spec>"``, ``"exchange"``: a group's exchange after the decision) before they
-            are shared, e.g. to give ranks different measurements and check they still agree.
+            ``"kernel:<spec>"``, ``"exchange"``: a group's exchange after the decision, ``"step"``: a
+            whole step, ``group`` then ``"dense"`` or ``"compressed"``) before they are shared, e.g.
+            to give ranks different measurements and check they still agree.
     """
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, dense_margin: float = 0.05,
-                 link_margin: float = 0.5, recheck_every: int = 100,
+                 link_margin: float = 0.5, recheck_every: int = 100, trial_steps: int = 8,
                  measurement_hook: Optional[Callable[[str, Hashable, float], float]] = None):
         self.candidates: Tuple[Compressor, ...] = tuple(from_spec(s) if isinstance(s, str) else s for s in candidates)
         if not self.candidates:
@@ -95,8 +106,13 @@ class Auto:
             raise ValueError(f"link_margin must be > 0, got {link_margin!r}")
         if recheck_every < 0:
             raise ValueError(f"recheck_every must be >= 0, got {recheck_every!r}")
+        if trial_steps < 0:
+            raise ValueError(f"trial_steps must be >= 0, got {trial_steps!r}")
         self.dense_margin, self.link_margin, self.recheck_every = dense_margin, link_margin, int(recheck_every)
         self.measurement_hook = measurement_hook
+        self.trial_steps = int(trial_steps)
+        self._trial = StepTrial(self.trial_steps, dense_margin)
+        self._measured_dense = False  # the last trial found the steps with compression no faster
         self.link: Optional[costmodel.Link] = None
         self.decisions: Dict[Hashable, dict] = {}
         self._chosen: Dict[Hashable, Optional[Compressor]] = {}
@@ -116,22 +132,37 @@ class Auto:
         for every group; may run a blocking allgather (the same group on every rank)."""
         new_step = engine.step != self._step_seen
         self._step_seen = engine.step
+        if new_step:
+            self._trial.new_step(engine.step, self._step_hook if self.measurement_hook else None)
+        chosen = base
         if base is not None and engine.transport is not None and engine.transport.world_size > 1:
             if self.link is None:
                 self._agree_link(engine)
-            elif new_step and self.recheck_every and engine.step - self._last_check >= self.recheck_every:
-                self._recheck(engine)
+            elif new_step:
+                self._between_steps(engine)
             if group not in self._chosen or self.decisions[group]["numel"] != numel:  # new or rebuilt
                 self._decide(engine, group, numel, dtype, device)
             chosen = self._chosen[group]
-            if chosen is not None and type(chosen) is type(base):
+            if chosen is not None and self._trial.forces_dense(engine.step):
+                chosen = None
+            elif chosen is not None and type(chosen) is type(base):
                 # The family the cost model picked, at the setting the schedule gives this step (a
                 # ramp's density): the choice then runs that compressor's recipe.
                 chosen = base
-        else:
-            chosen = None if base is None else base
+        self._trial.note(chosen is not None)
         self._launched[group] = time.perf_counter()
         return chosen
+
+    def _between_steps(self, engine) -> None:
+        """The checks due at a step's first group (collectives at the same step on every rank)."""
+        if self.recheck_every and engine.step - self._last_check >= self.recheck_every:
+            self._recheck(engine)
+        if self._trial.due(engine.step) and not self._trial.judge(lambda v: _slowest(self._gather(engine, v))):
+            logger.info("gradcomp.Auto: steps with compression took %.4g s against %.4g s dense; every group "
+                        "goes dense", self._trial.verdict["compressed_step_s"], self._trial.verdict["dense_step_s"])
+            self._measured_dense = True
+            self._chosen.clear()
+            self.decisions.clear()
 
     def finished(self, handle) -> None:
         """Called by ``Engine.finish`` first thing, when ``handle``'s collective has completed."""
@@ -148,7 +179,8 @@ class Auto:
             key = (handle.group, handle.grad.numel() * handle.grad.element_size())
             self._dense.setdefault(key, []).append((self._step_seen, seconds))
         decision = self.decisions.get(handle.group)
-        if decision is not None and self.link is not None:
+        # Only an exchange of the kind predicted measures the prediction (a trial's dense arm is not).
+        if decision is not None and self.link is not None and handle.exchange.name == decision["mode"]:
             seconds = self._hooked("exchange", handle.group, seconds)
             decision["measured_s"] = seconds
             if decision["predicted_comm_s"] > 0:
@@ -157,9 +189,11 @@ class Auto:
 
     def stats(self) -> dict:
         """``{"link": {"latency_s", "bandwidth_Bps"} or None, "groups": {group: {"choice", "mode",
-        "numel", "predicted_s": {choice: s}, "predicted_comm_s", "measured_s"}}}``."""
+        "numel", "predicted_s": {choice: s}, "predicted_comm_s", "measured_s"}}, "trial":
+        {"dense_step_s", "compressed_step_s", "kept"} or None}`` (the last measured trial)."""
         link = None if self.link is None else {"latency_s": self.link.latency_s, "bandwidth_Bps": self.link.bandwidth}
-        return {"link": link, "groups": {g: dict(d) for g, d in self.decisions.items()}}
+        return {"link": link, "groups": {g: dict(d) for g, d in self.decisions.items()},
+                "trial": None if self._trial.verdict is None else dict(self._trial.verdict)}
 
     def settings(self) -> dict:
         """Every setting that changes what ranks choose (plain values; the cross-rank check hashes
@@ -167,12 +201,16 @@ class Auto:
         run their shared measurements at different steps, and hang. ``measurement_hook`` is a test
         instrument that replaces this rank's own measurements, which differ between ranks anyway."""
         return {"candidates": tuple(c.spec for c in self.candidates), "dense_margin": float(self.dense_margin),
-                "link_margin": float(self.link_margin), "recheck_every": self.recheck_every}
+                "link_margin": float(self.link_margin), "recheck_every": self.recheck_every,
+                "trial_steps": self.trial_steps}
 
     def state_dict(self) -> dict:
         return self.settings()
 
     # -- measurements shared by all ranks -------------------------------------------------
+    def _step_hook(self, arm: str, seconds: float) -> float:
+        return self._hooked("step", arm, seconds)
+
     def _hooked(self, kind: str, group: Hashable, seconds: float) -> float:
         return float(self.measurement_hook(kind, group, seconds)) if self.measurement_hook else seconds
 
@@ -268,10 +306,11 @@ class Auto:
             cost = exchange.cost(c, numel, cluster, costmodel.Kernels(), dtype)
             predicted[c.spec] = (cost.comm_s + self._kernels[(c.spec, numel)], cost.comm_s, exchange.name)
         best = min((c for c in usable), key=lambda c: predicted[c.spec][0], default=None)
-        if best is not None and predicted[best.spec][0] <= (1 - self.dense_margin) * predicted[dense.name][0]:
+        choice = None
+        if (best is not None and not self._measured_dense
+                and predicted[best.spec][0] <= (1 - self.dense_margin) * predicted[dense.name][0]):
             choice = best
-        else:
-            choice = None
+            self._trial.begin(engine.step)  # kept only if the steps are measured faster
         name = dense.name if choice is None else choice.spec
         self._chosen[group] = choice
         self.decisions[group] = {"choice": name, "mode": predicted[name][2], "numel": int(numel),
@@ -294,3 +333,5 @@ class Auto:
         self.link = costmodel.Link(self.link.latency_s * ratio, self.link.bandwidth / ratio)
         self._chosen.clear()
         self.decisions.clear()
+        self._measured_dense = False
+        self._trial.restart(engine.step)

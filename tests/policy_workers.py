@@ -15,12 +15,15 @@ def make_model(seed=0):
                                torch.nn.ReLU(), torch.nn.Linear(128, 10))
 
 
-def link_hook(link_s_by_rank, kernel_scale_by_rank, rank):
-    """A measurement hook that gives each rank its own (injected) link time and scaled kernel times."""
+def link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank=None):
+    """A measurement hook that gives each rank its own (injected) link time and scaled kernel times;
+    with ``step_s_by_rank`` (``[{"dense": s, "compressed": s}]`` per rank) its whole steps' times too."""
 
     def hook(kind, group, seconds):
         if kind == "link":
             return link_s_by_rank[rank]
+        if kind == "step" and step_s_by_rank is not None:
+            return step_s_by_rank[rank][group]
         return seconds * kernel_scale_by_rank[rank]
 
     return hook
@@ -35,14 +38,15 @@ def drifting_hook(rank):
     return hook
 
 
-def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps, recheck_every=100):
+def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps, recheck_every=100,
+                step_s_by_rank=None, trial_steps=8):
     """Train ``steps`` steps with Auto; return the parameters, the policy's stats and choices per step.
     ``link_s_by_rank`` ``"drift"``: :func:`drifting_hook`."""
     model = DDP(make_model(), bucket_cap_mb=0.05)
     state = gc_ddp.register(model, gradcomp.TopK(0.01), warmup_steps=WARMUP)
     hook = (drifting_hook(rank) if link_s_by_rank == "drift"
-            else link_hook(link_s_by_rank, kernel_scale_by_rank, rank))
-    state.engine.policy = Auto(measurement_hook=hook, recheck_every=recheck_every)
+            else link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank))
+    state.engine.policy = Auto(measurement_hook=hook, recheck_every=recheck_every, trial_steps=trial_steps)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     modes = []
     for step in range(steps):

@@ -11,13 +11,15 @@ import multiprocess
 import policy_workers as workers
 from gradcomp import costmodel
 from gradcomp.policy import Auto
+from gradcomp.step_trial import StepTrial
 
 STEPS = 5
 
 
 def run(tmp_path, link_s_by_rank, kernel_scale_by_rank):
+    # trial_steps=0: these check the cost model's choices, which the measured trial would hold back.
     return multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), link_s_by_rank, kernel_scale_by_rank, STEPS,
-                              timeout_s=240)
+                              100, None, 0, timeout_s=240)
 
 
 def check_agreement_and_replicas(results):
@@ -84,12 +86,112 @@ def test_very_fast_link_stays_dense_and_ranks_agree(tmp_path):
 def test_a_link_that_changes_is_measured_and_decided_again(tmp_path):
     # Warm-up measures a very slow link (compression); the exchanges afterwards take ~nothing, so at the
     # check after 2 compressed steps the link is rescaled and every group goes dense.
-    results = multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), "drift", None, 7, 2, timeout_s=240)
+    results = multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), "drift", None, 7, 2, None, 0, timeout_s=240)
     choices = check_agreement_and_replicas(results)
     assert set(choices.values()) == {"dense"}, choices
     modes = results[0]["modes"]
     assert any(mode == "allgather" for mode in modes[workers.WARMUP].values()), modes
     assert all(mode == "dense" for mode in modes[-1].values()), modes
+
+
+def run_trial(tmp_path, step_s_by_rank):
+    """A very slow injected link (the model predicts compression) and injected whole-step times; 2
+    steps per arm: warm-up gives one usable dense step, so the dense arm is taken (steps 2-3), the
+    compressed arm runs steps 5-6 and the verdict falls at step 7."""
+    return multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), [3.0, 5.0], [1.0, 1.0], TRIAL_STEPS_RUN, 100,
+                              step_s_by_rank, 2, timeout_s=240)
+
+
+TRIAL_STEPS_RUN = 9
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_compression_the_steps_measure_no_faster_goes_dense_on_every_rank(tmp_path):
+    # The model predicts compression; rank 0 measures compressed steps faster, rank 1 slower: the
+    # slowest rank's medians decide (1.0 s compressed against 0.9 s dense), on both ranks alike.
+    steps = [{"dense": 0.5, "compressed": 0.2}, {"dense": 0.9, "compressed": 1.0}]
+    results = run_trial(tmp_path, steps)
+    choices = check_agreement_and_replicas(results)
+    assert set(choices.values()) == {"dense"}, choices
+    trial = results[0]["policy"]["trial"]
+    assert trial == results[1]["policy"]["trial"] == {"dense_step_s": 0.9, "compressed_step_s": 1.0, "kept": False}
+    modes = results[0]["modes"]
+    assert all(mode == "dense" for step in modes[2:4] for mode in step.values()), modes  # the dense arm
+    assert any(mode == "allgather" for mode in modes[5].values()), modes  # the compressed arm
+    assert all(mode == "dense" for step in modes[7:] for mode in step.values()), modes
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_compression_the_steps_measure_faster_is_kept(tmp_path):
+    steps = [{"dense": 1.0, "compressed": 0.3}, {"dense": 1.2, "compressed": 0.4}]
+    results = run_trial(tmp_path, steps)
+    choices = check_agreement_and_replicas(results)
+    assert all(choice in ("twobit:chunk", "topk:0.01") for choice in choices.values()), choices
+    assert results[0]["policy"]["trial"] == {"dense_step_s": 1.2, "compressed_step_s": 0.4, "kept": True}
+    assert any(mode == "allgather" for mode in results[0]["modes"][-1].values()), results[0]["modes"]
+
+
+class FakeClock:
+    """Step times for :class:`StepTrial` without waiting: ``seconds[arm]`` per step."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __call__(self, arm, measured):
+        return self.seconds[arm]
+
+
+def drive(trial, steps, compress_from, dense_s, compressed_s, gather=lambda values: values):
+    """Run ``trial`` through ``steps`` steps (compressing from ``compress_from`` unless forced dense);
+    returns the steps it forced dense and the step it judged at (``None``: never)."""
+    clock = FakeClock({"dense": dense_s, "compressed": compressed_s})
+    forced, judged = [], None
+    for step in range(steps):
+        trial.new_step(step, clock)
+        if step == compress_from:
+            trial.begin(step)
+        if trial.due(step) and judged is None:
+            judged = step
+            trial.judge(gather)
+        compressing = step >= compress_from and not trial.forces_dense(step) and judged is None
+        forced += [step] if trial.forces_dense(step) else []
+        trial.note(compressing)
+    return forced, judged
+
+
+def test_the_trial_uses_the_warm_up_dense_steps_when_there_are_two():
+    trial = StepTrial(3, 0.05)
+    forced, judged = drive(trial, 12, compress_from=4, dense_s=1.0, compressed_s=0.9)
+    # Steps 1-3 are dense (step 0 carries the set-up); 4 decides and runs cold; 5-7 are the arm.
+    assert forced == [] and judged == 8
+    assert trial.verdict == {"dense_step_s": 1.0, "compressed_step_s": 0.9, "kept": True}
+
+
+def test_the_trial_takes_its_dense_arm_when_warm_up_left_too_few():
+    trial = StepTrial(3, 0.05)
+    forced, judged = drive(trial, 12, compress_from=1, dense_s=1.0, compressed_s=0.97)
+    assert forced == [1, 2, 3] and judged == 8  # 4 runs cold; 5-7 are the compressed arm
+    assert trial.verdict["kept"] is False  # 3 % faster is within the 5 % margin: dense
+
+
+def test_a_trial_after_the_link_changed_does_not_reuse_older_dense_steps():
+    trial = StepTrial(2, 0.05)
+    for step in range(4):
+        trial.new_step(step)
+        trial.note(False)
+    trial.restart(4)
+    trial.new_step(4)
+    trial.begin(4)
+    assert trial.forces_dense(4) and trial.forces_dense(5) and not trial.forces_dense(6)
+
+
+def test_an_unmeasured_dense_arm_keeps_the_group_dense():
+    # No rank measured a valid dense step (the gather gives inf): faster than nothing is not measured faster.
+    trial = StepTrial(2, 0.05)
+    drive(trial, 10, compress_from=3, dense_s=1.0, compressed_s=0.1, gather=lambda values: [math.inf, values[1]])
+    assert trial.verdict["kept"] is False
 
 
 def test_link_fit_recovers_an_alpha_beta_link():
@@ -109,3 +211,5 @@ def test_bad_settings_are_refused():
         Auto(dense_margin=1.5)
     with pytest.raises(ValueError, match="candidate"):
         Auto(candidates=())
+    with pytest.raises(ValueError, match="trial_steps"):
+        Auto(trial_steps=-1)
