@@ -200,15 +200,15 @@ def run_commands(commands: Sequence[Sequence[str]], timeout: float, env: Optiona
     """Run one command line per rank, all at once, each to its end (a rank that fails does not stop
     the others: its status is what is measured); at ``timeout`` seconds the ones left are killed.
 
-    The ranks meet at ``MASTER_ADDR``/``MASTER_PORT`` of ``env`` (default: this environment), each
-    set here where missing (the loopback; a free port). Returns every rank's exit status and, with
+    The ranks meet at ``MASTER_ADDR`` of ``env`` (default: this environment; the loopback where it
+    names none) and a free ``MASTER_PORT``. Returns every rank's exit status and, with
     ``stderr_text``, what each wrote to stderr (read from a file: a pipe that fills would block it).
     """
     import tempfile
 
     env = dict(os.environ if env is None else env)
     env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(free_port()))
+    env["MASTER_PORT"] = str(free_port())
     with contextlib.ExitStack() as files:
         errors = [files.enter_context(tempfile.TemporaryFile("w+")) if stderr_text else None for _ in commands]
         processes = [subprocess.Popen(list(command), env=env, stderr=error, text=True, **popen_kwargs)
