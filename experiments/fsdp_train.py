@@ -183,11 +183,8 @@ def run_study(specs, runs_dir: str, args) -> int:
                    "--log", log_path, "--nproc", str(args.nproc), "--max-time", str(args.run_timeout)]
         started = time.monotonic()
         with open(log_path[: -len(".jsonl")] + ".out", "w") as output:
-            try:
-                status = subprocess.run(command, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                        timeout=args.run_timeout + 60).returncode
-            except subprocess.TimeoutExpired:
-                status = 124
+            status = launch.run_bounded(command, timeout=args.run_timeout + 60, env=env, cwd=root, stdout=output,
+                                        stderr=subprocess.STDOUT)
         ok = is_complete(log_path)
         failures += not ok
         print(f"{spec.stem} (fsdp): {'ok' if ok else 'FAILED'} (status {status}) in "
