@@ -20,6 +20,9 @@ Records: ``{"event": "config"}`` (the subclass's), one ``{"event": "step"}`` per
 their running sum, then the subclass's fields, the method's bytes, and ``wire_bytes`` inside a private
 namespace), ``{"event": "eval"}`` lines (held-out metrics), then the subclass's summary and, where
 ``done_record``, ``{"event": "done"}``.
+
+torch is imported inside the functions only: the launching process, which imports this module to
+name the rank function, never loads it.
 """
 from __future__ import annotations
 
@@ -31,7 +34,6 @@ import warnings
 from typing import List, Optional
 
 from experiments import launch
-from experiments import loop as loops
 
 __all__ = ["run_rank", "Run", "timing_summary"]
 
@@ -66,6 +68,7 @@ def run_rank(rank: int, world_size: int, run_class: type, args: argparse.Namespa
 def workload_and_loop(args: argparse.Namespace):
     """``(workload, loop)``: a study's named workload and its own loop (``args.suite_spec``, a
     :class:`experiments.convergence.RunSpec` as a dict), else ``experiments.train``'s arguments."""
+    from experiments import loop as loops
     from experiments import suite, workloads
 
     spec = getattr(args, "suite_spec", None)
@@ -103,6 +106,8 @@ class Run:
     done_record = True  # a final {"event": "done"}
 
     def __init__(self, rank: int, world_size: int, device, args: argparse.Namespace, log):
+        from experiments import loop as loops
+
         self.rank, self.world_size, self.device, self.args, self.log = rank, world_size, device, args, log
         self.workload, self.loop = workload_and_loop(args)
         self.batch_size = getattr(args, "batch_size", None) or self.workload.default_batch_size
@@ -170,6 +175,8 @@ class Run:
     def step(self, step: int, train_time: float) -> dict:
         """One timed optimizer step; its log record (``train_time_s`` includes it)."""
         import torch
+
+        from experiments import loop as loops
 
         batches = loops.micro_batches(self.workload, self.loop, self.rank, step, self.batch_size, self.device)
         tx_before = launch.lo_tx_bytes() if self.wire_bytes else None
