@@ -13,7 +13,8 @@
 ``gpu_selfcheck``   every CUDA kernel against the torch reference on a real GPU
 ==================  ===============================================================
 
-Shared pieces: ``catalog`` (the methods, record fields and log reading) and
-``workloads`` (the models and data, none of which needs a download). This package is
+Shared pieces: ``catalog`` (the methods, record fields and log reading), ``workloads`` (the
+models and data, none of which needs a download), ``runner`` (the one per-rank training loop) and
+``launch`` (the one launcher of ranks). This package is
 not installed; it imports gradcomp as installed (``pip install -e .``).
 """

@@ -10,16 +10,15 @@ quartiles of the remaining steps' wall time and their ratio to eager's median. R
 machine: the numbers are meant to be compared side by side within one run.
 """
 import argparse
-import datetime
 import json
-import os
-import socket
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from experiments import launch
 
 MODES = ("eager", "compiled_module", "compiled_ddp")
 
@@ -63,10 +62,9 @@ def time_mode(rank: int, mode: str, args) -> list:
     return times
 
 
-def rank_main(rank: int, world_size: int, port: int, args) -> None:
-    torch.set_num_threads(args.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600))
+def rank_main(rank: int, world_size: int, args) -> None:
+    """One rank: every mode in turn (a timing loop of its own, not a training run); rank 0 prints."""
+    launch.init_rank(rank, world_size, threads=args.threads, timeout=600, cuda=False)
     try:
         eager_median = None
         for mode in args.modes:
@@ -81,7 +79,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
         dist.destroy_process_group()
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", default="topk:0.01")
     parser.add_argument("--steps", type=int, default=30)
@@ -91,11 +89,8 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = parser.parse_args(argv)
     args.modes = [mode for mode in MODES if mode in args.modes]  # eager first: the others' ratios need it
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(rank_main, args=(2, port, args), nprocs=2, start_method="spawn")
+    return launch.spawn_ranks(rank_main, 2, (args,), name="compile_step_time")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import os
 import subprocess
 import sys
 
@@ -47,15 +45,16 @@ def _optimizer_and_state(recipe: str, ddp, model, steps: int, backend: str):
     return optimizer
 
 
-def _rank(rank: int, world_size: int, port: int, recipe: str, steps: int, backend: str, bucket_cap_mb: float) -> None:
-    """One rank of one job: train ``steps`` steps with ``recipe``, destroy the group, return."""
+def _rank(rank: int, world_size: int, recipe: str, steps: int, backend: str, bucket_cap_mb: float) -> None:
+    """One rank of one job: train ``steps`` steps with ``recipe``, destroy the group, return. Its own small
+    loop, not the runner's: the model and the data of the stress job are what its counts were measured on."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    from experiments import launch
+
+    launch.init_rank(rank, world_size, threads=1, timeout=60, cuda=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
                                 torch.nn.Tanh(), torch.nn.Linear(256, 10))
@@ -72,22 +71,12 @@ def _rank(rank: int, world_size: int, port: int, recipe: str, steps: int, backen
 
 def run_job(recipe: str, steps: int, backend: str, bucket_cap_mb: float, timeout_s: float):
     """Run one two-rank job to its end; ``(exit codes, whether stderr showed an abort, stderr tail)``."""
-    from experiments.launch import free_port
+    from experiments import launch
 
-    port = free_port()
-    command = [sys.executable, "-m", "experiments.exit_codes", "--rank-of", recipe, "--port", str(port),
-               "--steps", str(steps), "--backend", backend, "--bucket-cap-mb", str(bucket_cap_mb)]
-    procs = [subprocess.Popen(command + ["--rank", str(rank)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True) for rank in range(2)]
-    codes, errors = [], []
-    for proc in procs:
-        try:
-            _, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        codes.append(proc.returncode)
-        errors.append(err or "")
+    command = [sys.executable, "-m", "experiments.exit_codes", "--rank-of", recipe, "--steps", str(steps),
+               "--backend", backend, "--bucket-cap-mb", str(bucket_cap_mb)]
+    codes, errors = launch.run_commands([command + ["--rank", str(rank)] for rank in range(2)], timeout=timeout_s,
+                                        stderr_text=True, stdout=subprocess.DEVNULL)
     return codes, any(ABORT in err for err in errors), " | ".join(err[-300:] for err in errors if err.strip())
 
 
@@ -101,10 +90,9 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per job")
     parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)  # internal: run one rank
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_of is not None:
-        _rank(args.rank, 2, args.port, args.rank_of, args.steps, args.backend, args.bucket_cap_mb)
+        _rank(args.rank, 2, args.rank_of, args.steps, args.backend, args.bucket_cap_mb)
         return
     table = {}
     for recipe in args.recipes:

@@ -17,6 +17,7 @@ run sharded, so AdamW takes the recipe's dense start and ramp without it (``tota
 ``scheduler=`` only), which the log records as ``"recipe"``. Logs are :mod:`experiments.train`'s (config,
 step, eval, summary) plus ``done``, with ``"parallel": "fsdp"`` and ``"engine": "fsdp"`` in the config,
 and gradcomp's residual bytes per rank (``residual_bytes``; ``--residual-dtype``, ``--residual-share``).
+The ranks are :func:`experiments.runner.run_rank` with :class:`FsdpRun`.
 
 Examples (from the repository root)::
 
@@ -29,13 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict
 
 from experiments import launch, methods
+from experiments.runner import Run, run_rank, timing_summary
 
 #: What ``--compressor`` may be under FSDP, and gradcomp's spec of each compressed one.
 METHODS = ("noop", "dense", "topk", "twobit")
@@ -119,134 +120,48 @@ def attach(model, method: str, optimizer, scheduler, steps: int, density: float 
     return Telemetry(state), "recipe" if stage else "recipe without its optimizer stage"
 
 
-def fsdp_step(model, workload, loop, optimizer, scheduler, rank: int, step: int, batch_size: int) -> float:
-    """One optimizer step of the workload's loop on an FSDP rank (accumulation without gradient sync)."""
-    from experiments import loop as loops
+class FsdpRun(Run):
+    """A run under FSDP2: every block and the model under ``fully_shard``, a method of :data:`METHODS`; the
+    workload and loop of a convergence spec (``--study-spec``) or of :mod:`experiments.train`'s arguments."""
 
-    if loop.manual_lr:
-        loops.set_lr(loop, optimizer, step)
-    micro, losses = loop.accumulation, []
-    for m in range(micro):
-        x, y = workload.batch(rank, step * micro + m, batch_size)
-        model.set_requires_gradient_sync(m == micro - 1)
-        loss = workload.loss(model, x, y)
-        (loss / micro).backward()
-        losses.append(float(loss.detach()))
-    loops.before_step(loop, model, optimizer)  # clip_grad_norm_ on the DTensors: .grad is the average
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if scheduler is not None:
-        scheduler.step()
-    return sum(losses) / micro
+    def wrap(self, net):
+        return shard(net)
 
+    def attach(self):
+        import torch
 
-def _evaluate(model, workload, emit, step: int, train_time: float) -> dict:
-    """Held-out metrics; every rank evaluates every window (FSDP's forward is collective, so the ranks must run
-    the same number of forwards), all alike."""
-    import torch
-
-    model.eval()
-    sums = workload.evaluate_sums(model, 0, 1, torch.device("cpu"))
-    model.train()
-    metrics = workload.metrics(sums)
-    emit({"event": "eval", "step": step, "train_time_s": train_time, **metrics})
-    return metrics
-
-
-def _build(job: dict):
-    """``(workload, loop)`` of a job: a suite workload and its loop (the convergence study), or
-    :mod:`experiments.train`'s arguments (the comparison)."""
-    from experiments import loop as loops
-    from experiments import suite, workloads
-
-    if "suite" in job:
-        spec = job["suite"]
-        return (suite.build(spec["workload"], spec["seed"], spec["eval_windows"]),
-                loops.loop_for(spec["workload"], spec["optimizer"], spec["steps"]))
-    args = job["train"]
-    workload = workloads.build_workload(args["workload"], seed=args["seed"], small=args["small"],
-                                        charlm_overrides=args["overrides"], eval_windows=args["eval_windows"])
-    optimizer = "adamw" if args["optimizer"] == "adamw" else "sgdm"
-    lr = args["lr"] or (workload.default_lr if optimizer == "adamw" else 0.1)
-    warmup = args["lr_warmup"] if args["lr_warmup"] is not None else min(20, args["steps"] // 10)
-    return workload, loops.Loop(optimizer, lr, args["steps"], warmup)
-
-
-def run_rank(rank: int, world_size: int, local_rank: int, args: argparse.Namespace) -> None:
-    """Train ``args.job`` on this rank; rank 0 writes the log (see the module docstring)."""
-    from experiments import netem
-
-    netem.join_rank_namespace(rank)
-    launch.set_thread_env(args.threads)
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from experiments import loop as loops
-
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=args.timeout))
-    log = open(args.log, "w") if (rank == 0 and args.log) else None
-    try:
-        job = args.job
-        workload, loop = _build(job)
-        model = shard(workload.build_model())
-        optimizer, scheduler = loops.build_optimizer(loop, model)
-        telemetry, recipe = attach(model, job["method"], optimizer, scheduler, job.get("planned_steps") or loop.steps,
-                                   job["density"], **job["residuals"])
+        job = self.args.job
+        telemetry, self.recipe = attach(self.model, job["method"], self.optimizer, self.scheduler,
+                                        job.get("planned_steps") or self.loop.steps, job["density"], **job["residuals"])
+        self.kernel_warmup_s = 0.0
         if telemetry.state is not None:  # JIT compilation before training, out of the step times (as train does)
-            job["kernel_warmup_s"] = methods.warm_up_kernels(telemetry.state.engine.compressor, None,
+            self.kernel_warmup_s = methods.warm_up_kernels(telemetry.state.engine.compressor, None,
                                                            torch.device("cpu"))
-        _train(model, workload, loop, optimizer, scheduler, telemetry, recipe, job, rank, world_size, log)
-        dist.barrier()
-    finally:
-        if log is not None:
-            log.close()
-        dist.destroy_process_group()
+        return telemetry
 
+    def config(self, backend: str) -> dict:
+        import torch
 
-def _train(model, workload, loop, optimizer, scheduler, telemetry, recipe, job, rank, world_size, log) -> None:
-    """The training loop of :func:`run_rank`: timed steps, evaluations, the log."""
-    import torch
+        job = self.args.job
+        return {**job["describe"], "parallel": "fsdp", "engine": "fsdp", "buckets": "fsdp modules",
+                "recipe": self.recipe, "residuals": {k: str(v) for k, v in job["residuals"].items()},
+                "world_size": self.world_size, "kernel_warmup_s": self.kernel_warmup_s, "batch_size": self.batch_size,
+                "loop": self.loop.describe(), "link": os.environ.get("GRADCOMP_LINK", "unshaped"),
+                "torch": torch.__version__, "params": sum(p.numel() for p in self.model.parameters())}
 
-    def emit(record: dict) -> None:
-        if log is not None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+    def held_out_sums(self):
+        """Every rank evaluates every window (FSDP's forward is collective, so the ranks must run the same
+        number of forwards), all alike."""
+        import torch
 
-    state, batch_size = telemetry.state, job.get("batch_size") or workload.default_batch_size
-    emit({"event": "config", **job["describe"], "parallel": "fsdp", "engine": "fsdp", "buckets": "fsdp modules",
-          "recipe": recipe, "residuals": {k: str(v) for k, v in job["residuals"].items()}, "world_size": world_size,
-          "kernel_warmup_s": job.get("kernel_warmup_s", 0.0),
-          "batch_size": batch_size, "loop": loop.describe(), "link": os.environ.get("GRADCOMP_LINK", "unshaped"),
-          "torch": torch.__version__, "params": sum(p.numel() for p in model.parameters())})
-    _evaluate(model, workload, emit, -1, 0.0)
-    train_time, step_times, losses = 0.0, [], []
-    for step in range(loop.steps):
-        tx_before = launch.lo_tx_bytes()
-        started = time.perf_counter()
-        loss = fsdp_step(model, workload, loop, optimizer, scheduler, rank, step, batch_size)
-        step_time = time.perf_counter() - started
-        tx_after = launch.lo_tx_bytes()
-        train_time += step_time
-        step_times.append(step_time)
-        losses.append(loss)
-        record = {"event": "step", "step": step, "loss": loss, "step_time_s": step_time, "train_time_s": train_time,
-                  **telemetry.end_step()}
-        if tx_before is not None and tx_after is not None:
-            record["wire_bytes"] = (tx_after - tx_before) / world_size
-        emit(record)
-        if job["eval_every"] and (step + 1) % job["eval_every"] == 0 and step + 1 < loop.steps:
-            _evaluate(model, workload, emit, step, train_time)
-    final = _evaluate(model, workload, emit, loop.steps - 1, train_time)
-    memory = state.engine.residual_memory if state is not None else None
-    emit({"event": "summary", "method": job["method"], "steps": loop.steps, "parallel": "fsdp",
-          "median_step_time_s": statistics.median(step_times[min(len(step_times) - 1, 4):]),
-          "train_time_s": train_time, "final_train_loss": statistics.fmean(losses[-max(1, min(10, len(losses) // 5)):]),
-          "residual_bytes": memory.nbytes() if memory is not None else 0,
-          "residual_working_peak_bytes": memory.peak_working_bytes if memory is not None else 0, **final})
-    emit({"event": "done", "steps": loop.steps, "train_time_s": train_time})
+        return self.workload.evaluate_sums(self.model, 0, 1, torch.device("cpu"))
+
+    def summarize(self, final: dict, train_time: float, step_times: list, losses: list) -> None:
+        memory = self.telemetry.state.engine.residual_memory if self.telemetry.state is not None else None
+        self.emit({"event": "summary", "method": self.args.job["method"], "steps": self.loop.steps, "parallel": "fsdp",
+                   **timing_summary(train_time, step_times, losses),
+                   "residual_bytes": memory.nbytes() if memory is not None else 0,
+                   "residual_working_peak_bytes": memory.peak_working_bytes if memory is not None else 0, **final})
 
 
 def run_study(specs, runs_dir: str, args) -> int:
@@ -268,11 +183,8 @@ def run_study(specs, runs_dir: str, args) -> int:
                    "--log", log_path, "--nproc", str(args.nproc), "--max-time", str(args.run_timeout)]
         started = time.monotonic()
         with open(log_path[: -len(".jsonl")] + ".out", "w") as output:
-            try:
-                status = subprocess.run(command, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                        timeout=args.run_timeout + 60).returncode
-            except subprocess.TimeoutExpired:
-                status = 124
+            status = launch.run_bounded(command, timeout=args.run_timeout + 60, env=env, cwd=root, stdout=output,
+                                        stderr=subprocess.STDOUT)
         ok = is_complete(log_path)
         failures += not ok
         print(f"{spec.stem} (fsdp): {'ok' if ok else 'FAILED'} (status {status}) in "
@@ -297,14 +209,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     residuals = {"residual_dtype": getattr(torch, known.residual_dtype), "residual_share": known.residual_share}
     if known.study_spec:
         spec = json.loads(known.study_spec)
-        args.job = {"suite": spec, "method": spec["method"], "density": 0.01, "residuals": residuals,
-                    "eval_every": spec["eval_every"], "describe": spec}
+        args.job = {"method": spec["method"], "density": 0.01, "residuals": residuals, "describe": spec}
+        args.suite_spec, args.eval_every = spec, spec["eval_every"]
     else:
-        overrides = {"d_model": args.d_model, "layers": args.layers, "heads": args.heads, "context": args.context}
         described = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
-        args.job = {"train": {**vars(args), "overrides": overrides}, "method": args.compressor,
-                    "density": args.density, "residuals": residuals, "eval_every": args.eval_every,
-                    "batch_size": args.batch_size, "describe": {**described, "planned_steps": known.planned_steps},
+        args.job = {"method": args.compressor, "density": args.density, "residuals": residuals,
+                    "describe": {**described, "planned_steps": known.planned_steps},
                     "planned_steps": known.planned_steps}
     if args.job["method"] not in METHODS:
         raise SystemExit(f"fsdp_train: --compressor {args.job['method']!r} does not run under FSDP; "
@@ -317,7 +227,7 @@ def main(argv=None) -> int:
     launch.set_thread_env(args.threads)
     if args.log:
         os.makedirs(os.path.dirname(os.path.abspath(args.log)), exist_ok=True)
-    return launch.spawn(args, target=run_rank)
+    return launch.spawn(args, run_rank, FsdpRun)
 
 
 if __name__ == "__main__":

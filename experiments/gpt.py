@@ -15,14 +15,15 @@ gradient accumulation over micro-batches (``require_backward_grad_sync`` off on 
 from __future__ import annotations
 
 import math
-from typing import Dict, Tuple
+from typing import Dict
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from experiments.workloads import EVAL_SEED, _rng, prose_corpus
+from experiments.objectives import NextTokenWindows, _rng
+from experiments.workloads import EVAL_SEED, prose_corpus
 
 __all__ = ["GPT", "GPTConfig", "PromptGPT", "LOOP"]
 
@@ -95,7 +96,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class PromptGPT:
+class PromptGPT(NextTokenWindows):
     """Next-character prediction on English prose with :class:`GPT`.
 
     Batches are ``batch_size`` windows at offsets drawn from ``(seed, rank, step)``; the held-out
@@ -121,34 +122,3 @@ class PromptGPT:
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
         return GPT(self.config)
-
-    def _windows(self, data: np.ndarray, offsets: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
-        windows = torch.from_numpy(np.stack([data[o: o + self.context + 1] for o in offsets]))
-        return windows[:, :-1], windows[:, 1:]
-
-    def batch(self, rank: int, step: int, batch_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)``: int64 ``[batch_size, context]`` characters and next-character targets."""
-        offsets = _rng(self.seed, rank, step).integers(0, self.train.size - self.context - 1, size=batch_size)
-        return self._windows(self.train, offsets)
-
-    @staticmethod
-    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    @torch.no_grad()
-    def evaluate_sums(self, model: nn.Module, shard: int, shards: int, device, batch_size: int = 32) -> torch.Tensor:
-        """``[loss sum, character count, 0]`` over this shard of the held-out windows (float64)."""
-        offsets = self.eval_offsets[shard::shards]
-        total = torch.zeros(3, dtype=torch.float64, device=device)
-        for start in range(0, len(offsets), batch_size):
-            x, y = self._windows(self.held_out, offsets[start: start + batch_size])
-            logits = model(x.to(device))
-            total[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1),
-                                        reduction="sum").double()
-            total[1] += y.numel()
-        return total
-
-    @staticmethod
-    def metrics(sums: torch.Tensor) -> dict:
-        return {"eval_loss": float(sums[0] / sums[1])}

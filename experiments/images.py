@@ -18,9 +18,9 @@ from typing import Tuple
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from experiments.workloads import EVAL_SEED, Digits, _rng
+from experiments.objectives import HeldOutClassifier, _rng
+from experiments.workloads import EVAL_SEED, Digits
 
 __all__ = ["DigitsMLP", "Shapes", "SHAPES"]
 
@@ -85,7 +85,7 @@ class ShapesCNN(nn.Module):
         return self.head(self.features(x).flatten(1))
 
 
-class Shapes:
+class Shapes(HeldOutClassifier):
     """Ten procedurally drawn shapes; the held-out set is 1024 fixed images."""
 
     name = "shapes"
@@ -105,24 +105,3 @@ class Shapes:
     def batch(self, rank: int, step: int, batch_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)``: float ``[batch_size, 1, 24, 24]`` images and int64 labels."""
         return _batch(_rng(self.seed, rank, step), batch_size)
-
-    @staticmethod
-    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(x), y)
-
-    @torch.no_grad()
-    def evaluate_sums(self, model: nn.Module, shard: int, shards: int, device, batch_size: int = 256) -> torch.Tensor:
-        """``[loss sum, count, correct]`` over this shard of the held-out images (float64)."""
-        x_all, y_all = self.x_test[shard::shards], self.y_test[shard::shards]
-        total = torch.zeros(3, dtype=torch.float64, device=device)
-        for start in range(0, len(y_all), batch_size):
-            x, y = x_all[start: start + batch_size].to(device), y_all[start: start + batch_size].to(device)
-            logits = model(x)
-            total[0] += F.cross_entropy(logits, y, reduction="sum").double()
-            total[1] += y.numel()
-            total[2] += (logits.argmax(1) == y).sum().double()
-        return total
-
-    @staticmethod
-    def metrics(sums: torch.Tensor) -> dict:
-        return {"eval_loss": float(sums[0] / sums[1]), "accuracy": float(sums[2] / sums[1])}

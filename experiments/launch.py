@@ -1,8 +1,13 @@
 """How the experiments start their ranks: local processes on the loopback, one thread each.
 
+The one launcher of the experiments; every script that starts ranks builds on it.
+
 * :func:`parse_args`: the command line of one run (``experiments.train``, ``experiments.fsdp_train``).
-* :func:`spawn`: ``args.nproc`` local ranks of a rank function, bounded in time; a rank that
-  fails stops the others.
+* :func:`spawn_ranks`: ``nproc`` local ranks of a rank function, bounded in time; a rank that
+  fails stops the others. :func:`spawn` runs the ranks of one run's command line with it.
+* :func:`run_commands`: one command line per rank (ranks that must be fresh interpreters, or start
+  inside their own network namespace), bounded in time, each rank's exit status.
+* :func:`init_rank`: in a rank, its threads, its device and the process group.
 * :func:`run_bounded`: a command in its own process group, stopped (the whole group) at its timeout.
 * :func:`free_port`: a rendezvous port on the loopback.
 * :func:`set_thread_env`: the thread counts of torch, OpenMP and Numba, before they are imported.
@@ -19,12 +24,13 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from experiments.catalog import METHODS
 from experiments.methods import AUTO_THRESHOLD_SCALE
 
-__all__ = ["parse_args", "spawn", "run_bounded", "free_port", "set_thread_env", "lo_tx_bytes", "NETNS_ENV"]
+__all__ = ["parse_args", "spawn", "spawn_ranks", "run_commands", "init_rank", "run_bounded", "free_port",
+           "set_thread_env", "lo_tx_bytes", "NETNS_ENV"]
 
 NETNS_ENV = "GRADCOMP_NETNS"  # set by experiments.netem: the name of the private namespace we run in
 
@@ -123,12 +129,6 @@ def lo_tx_bytes() -> Optional[int]:
         return None
 
 
-def _set_thread_env(threads: int) -> None:
-    # Must happen before numba (gradcomp's CPU backend) or OpenMP are first imported.
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ[name] = str(threads)
-
-
 def free_port() -> int:
     """A free TCP port on the loopback for the ranks' rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -136,14 +136,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def spawn(args: argparse.Namespace, target: Callable) -> int:
-    """Run ``args.nproc`` local ranks of ``target(rank, world_size, local_rank, args)``
-    (``experiments.train.run_rank`` or ``experiments.fsdp_train.run_rank``), bounded by
-    ``args.max_time``; the exit status.
+def spawn(args: argparse.Namespace, target: Callable, *lead) -> int:
+    """Run ``args.nproc`` local ranks of ``target(rank, world_size, *lead, args)`` (the runner's
+    :func:`experiments.runner.run_rank` with a run class), bounded by ``args.max_time``; the exit status
+    (:func:`spawn_ranks`)."""
+    return spawn_ranks(target, args.nproc, (*lead, args), args.max_time)
+
+
+def spawn_ranks(target: Callable, nproc: int, args: tuple = (), max_time: float = 3600.0, name: str = "train") -> int:
+    """Run ``target(rank, nproc, *args)`` in ``nproc`` local processes, bounded by ``max_time``
+    seconds; the exit status: 0, 1 (a rank failed) or 124 (out of time).
 
     Plain ``multiprocessing`` with the spawn method: the parent never imports torch,
     which saves seconds per run on a small machine. A rank that fails prints its own
     traceback; the others are then stopped rather than left waiting in a collective.
+    ``name`` starts the launcher's own messages.
     """
     import multiprocessing
 
@@ -156,29 +163,25 @@ def spawn(args: argparse.Namespace, target: Callable) -> int:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["MASTER_PORT"] = str(free_port())
     context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(target=target, args=(rank, args.nproc, rank, args), name=f"rank{rank}",
-                        daemon=False)
-        for rank in range(args.nproc)
-    ]
+    processes = [context.Process(target=target, args=(rank, nproc, *args), name=f"rank{rank}", daemon=False)
+                 for rank in range(nproc)]
     for process in processes:
         process.start()
-    deadline = time.monotonic() + args.max_time
+    return _watch(processes, time.monotonic() + max_time, max_time, name)
+
+
+def _watch(processes, deadline: float, max_time: float, name: str) -> int:
+    """Wait for the ranks; stop them all when one fails or at ``deadline``. The exit status."""
     try:
         while any(p.is_alive() for p in processes):
             failed = [p for p in processes if p.exitcode not in (None, 0)]
             if failed:
-                print(
-                    f"train: {failed[0].name} exited with status {failed[0].exitcode}; stopping the others",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print(f"{name}: {failed[0].name} exited with status {failed[0].exitcode}; stopping the others",
+                      file=sys.stderr, flush=True)
                 _stop(processes)
                 return 1
             if time.monotonic() > deadline:
-                print(
-                    f"train: --max-time {args.max_time:.0f}s exceeded; stopping the ranks", file=sys.stderr, flush=True
-                )
+                print(f"{name}: --max-time {max_time:.0f}s exceeded; stopping the ranks", file=sys.stderr, flush=True)
                 _stop(processes)
                 return 124
             processes[0].join(timeout=0.5)
@@ -187,9 +190,67 @@ def spawn(args: argparse.Namespace, target: Callable) -> int:
         raise
     failed = [p for p in processes if p.exitcode != 0]
     if failed:
-        print(f"train: {failed[0].name} exited with status {failed[0].exitcode}", file=sys.stderr, flush=True)
+        print(f"{name}: {failed[0].name} exited with status {failed[0].exitcode}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def run_commands(commands: Sequence[Sequence[str]], timeout: float, env: Optional[Dict[str, str]] = None,
+                 stderr_text: bool = False, **popen_kwargs) -> Tuple[List[int], List[str]]:
+    """Run one command line per rank, all at once, each to its end (a rank that fails does not stop
+    the others: its status is what is measured); at ``timeout`` seconds the ones left are killed.
+
+    The ranks meet at ``MASTER_ADDR`` of ``env`` (default: this environment; the loopback where it
+    names none) and a free ``MASTER_PORT``. Returns every rank's exit status and, with
+    ``stderr_text``, what each wrote to stderr (read from a file: a pipe that fills would block it).
+    """
+    import tempfile
+
+    env = dict(os.environ if env is None else env)
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env["MASTER_PORT"] = str(free_port())
+    with contextlib.ExitStack() as files:
+        errors = [files.enter_context(tempfile.TemporaryFile("w+")) if stderr_text else None for _ in commands]
+        processes = [subprocess.Popen(list(command), env=env, stderr=error, text=True, **popen_kwargs)
+                     for command, error in zip(commands, errors)]
+        deadline = time.monotonic() + timeout
+        for process in processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        texts = []
+        for error in errors:
+            if error is not None:
+                error.seek(0)
+            texts.append(error.read() if error is not None else "")
+    return [process.returncode for process in processes], texts
+
+
+def init_rank(rank: int, world_size: int, threads: int, timeout: float, local_rank: Optional[int] = None,
+              cuda: bool = True):
+    """In a rank: torch's threads, the device and the process group (from ``MASTER_ADDR``/``MASTER_PORT``);
+    ``(device, process group backend)``. NCCL on the GPU ``local_rank`` where ``cuda`` and there is
+    one, else Gloo on the CPU. The thread counts of OpenMP and Numba are the environment's
+    (:func:`set_thread_env` before their import)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    cuda = cuda and torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    device = torch.device("cuda", rank if local_rank is None else local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+    return device, backend
 
 
 def _stop(processes) -> None:

@@ -4,17 +4,19 @@ A :class:`Loop` states what a training script does around ``backward()`` and ``o
 so that every experiment (the real DDP ranks and the in-process simulation) runs the same loop,
 with the patterns real scripts use: a learning rate set by hand in ``param_groups`` or by an LR
 scheduler, two param groups with weight decay on matrices only, gradient accumulation,
-``clip_grad_norm_``. :func:`loop_for` gives each workload its loop.
+``clip_grad_norm_``. :func:`loop_for` gives each workload its loop; :func:`optimizer_step` is one
+step of it on a DDP or FSDP rank, over the micro-batches of :func:`micro_batches`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["Loop", "loop_for", "build_optimizer", "lr_at", "before_step"]
+__all__ = ["Loop", "loop_for", "build_optimizer", "lr_at", "before_step", "micro_batches", "optimizer_step"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +111,40 @@ def before_step(loop: Loop, model: torch.nn.Module, optimizer, scaler=None) -> O
     if scaler is not None:
         scaler.unscale_(optimizer)
     return float(torch.nn.utils.clip_grad_norm_(model.parameters(), loop.clip))
+
+
+def micro_batches(workload, loop: Loop, rank: int, step: int, batch_size: int, device=None) -> list:
+    """This rank's ``(x, y)`` micro-batches of optimizer step ``step`` (``loop.accumulation`` of them),
+    on ``device``."""
+    micro = loop.accumulation
+    batches = [workload.batch(rank, step * micro + m, batch_size) for m in range(micro)]
+    return batches if device is None else [(x.to(device), y.to(device)) for x, y in batches]
+
+
+def _syncing(model, last: bool):
+    """Gradient synchronisation only on the last micro-batch: DDP's ``no_sync()`` before it, FSDP's
+    ``set_requires_gradient_sync``."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    return model.no_sync() if not last else contextlib.nullcontext()
+
+
+def optimizer_step(model, workload, loop: Loop, optimizer, scheduler, batches: list, step: int) -> float:
+    """One optimizer step of the workload's loop on a DDP or FSDP ``model`` over ``batches`` (accumulated,
+    synchronised on the last); the mean loss of the micro-batches. Mutates the model, the optimizer
+    and the scheduler; leaves every ``.grad`` ``None``."""
+    if loop.manual_lr:
+        set_lr(loop, optimizer, step)
+    micro, losses = len(batches), []
+    for m, (x, y) in enumerate(batches):
+        with _syncing(model, m == micro - 1):
+            loss = workload.loss(model, x, y)
+            (loss / micro).backward()
+        losses.append(float(loss.detach()))
+    before_step(loop, model, optimizer)  # FSDP: clip_grad_norm_ on the DTensors, whose .grad is the average
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return sum(losses) / micro

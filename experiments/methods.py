@@ -5,6 +5,7 @@ PowerSGD hooks, gradcomp's compressors and recipes, ``Auto``) on a DDP model and
 :class:`Telemetry` (bytes handed to collectives and time spent compressing, per step).
 :func:`compressor_for` builds a method's compressor from the command line's settings;
 :func:`choose_twobit_threshold` and :func:`warm_up_kernels` serve the runs that need them.
+:func:`attach_study_method` installs the convergence study's methods (and the step-time benchmark's).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Callable, Optional
 from experiments.catalog import METHODS
 
 __all__ = ["Telemetry", "attach_method", "compressor_for", "initial_twobit_threshold", "warm_up_kernels",
-           "choose_twobit_threshold", "in_bucket_order", "GRADCOMP_WARMUP_STEPS", "AUTO_THRESHOLD_SCALE"]
+           "choose_twobit_threshold", "in_bucket_order", "GRADCOMP_WARMUP_STEPS", "AUTO_THRESHOLD_SCALE",
+           "attach_study_method", "StudyTelemetry", "STUDY_DENSITY"]
 
 GRADCOMP_WARMUP_STEPS = 2  # dense steps before compression starts (gradcomp and PowerSGD alike)
 # --threshold auto: t = AUTO_THRESHOLD_SCALE x RMS of the averaged gradient of the last
@@ -228,6 +230,45 @@ def choose_twobit_threshold(model, scale: float = AUTO_THRESHOLD_SCALE) -> float
     return value
 
 
-# ---------------------------------------------------------------------------------------
-# One rank.
-# ---------------------------------------------------------------------------------------
+#: The top-k density of the convergence study's and the step-time benchmark's gradcomp methods.
+STUDY_DENSITY = 0.01
+
+
+class StudyTelemetry:
+    """``bytes_sent`` and ``dense_bytes`` per step (integers) of a study method: gradcomp's from its
+    state's stats, the others' from their :class:`Telemetry`."""
+
+    def __init__(self, telemetry: Optional[Telemetry] = None, state=None):
+        self.telemetry, self.state = telemetry, state
+
+    def end_step(self) -> dict:
+        out = self.state.stats()["last_step"] if self.state is not None else self.telemetry.end_step()
+        return {"bytes_sent": int(out["bytes_sent"]), "dense_bytes": int(out["dense_bytes"])}
+
+
+def attach_study_method(model, method: str, optimizer, scheduler, total_steps: int, seed: int = 0,
+                        dense_bytes: Optional[int] = None) -> StudyTelemetry:
+    """Register a method of the convergence study (``experiments.convergence.METHODS``) or ``noop`` on the
+    DDP ``model``: torch's (``dense``, ``fp16``, ``powersgd``) through :func:`attach_method`; gradcomp's
+    ``topk``, ``twobit``, ``auto`` with the one-call recipe over ``total_steps`` (``-noef``: without error
+    feedback; ``-plain``: plain error feedback after 2 dense steps, no recipe), top-k at
+    :data:`STUDY_DENSITY`, 2-bit at a level per chunk."""
+    import argparse
+
+    import gradcomp
+    from gradcomp.hooks import ddp as gradcomp_ddp
+
+    if method in ("noop", "dense", "fp16", "powersgd"):
+        if dense_bytes is None:
+            dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        args = argparse.Namespace(seed=seed, density=STUDY_DENSITY, threshold="chunk", backend=None)
+        return StudyTelemetry(attach_method(model, method, args, dense_bytes))
+    base, _, variant = method.partition("-")
+    spec_text = "twobit:chunk" if base == "twobit" else f"topk:{STUDY_DENSITY}"
+    if variant == "plain":
+        return StudyTelemetry(state=gradcomp_ddp.register(model, spec_text, warmup_steps=2))
+    kwargs = {"error_feedback": variant != "noef"}
+    if base == "auto":
+        kwargs["policy"] = gradcomp.Auto()
+    return StudyTelemetry(state=gradcomp_ddp.register(model, spec_text, optimizer=optimizer, total_steps=total_steps,
+                                                      scheduler=scheduler, **kwargs))

@@ -229,8 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     bench = None if args.no_compute else args.bench
     if args.measure_worker:
-        measure_worker(args.world_size, args.numel, args.repeats, args.json)
-        return 0
+        return measure_worker(args.world_size, args.numel, args.repeats, args.json, args.timeout)
     os.makedirs(args.out, exist_ok=True)
     if args.measure:
         records = measure(args.out, [s.strip() for s in args.links.split(",") if s.strip()],

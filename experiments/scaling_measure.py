@@ -19,7 +19,6 @@ run's ranks (:func:`_measure_rank`); :func:`predictions_for` gives the model's f
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import statistics
@@ -29,7 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from experiments.launch import free_port
+from experiments import launch
 from experiments.scaling import COMPRESSED, DENSE, FLAT, SUMMED, kernels_for
 from gradcomp import FP16, inflight
 from gradcomp.costmodel import Cluster, Link, predict
@@ -76,15 +75,14 @@ def _pingpong(nbytes: int, repeats: int) -> float:
     return _median_time(once, repeats) / 2
 
 
-def _measure_rank(rank: int, world_size: int, port: int, numel: int, repeats: int, out: str) -> None:
+def _measure_rank(rank: int, world_size: int, numel: int, repeats: int, out: str) -> None:
+    """One rank of a measured run (not a training run: collectives timed one by one); rank 0 writes ``out``."""
     import torch.distributed as dist
 
     from gradcomp.engine import Engine
     from gradcomp.hooks.ddp import TorchDistributedTransport
 
-    torch.set_num_threads(1)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    launch.init_rank(rank, world_size, threads=1, timeout=300, cuda=False)
     try:
         alpha = _pingpong(8, repeats * 4)
         big = 16 << 20
@@ -143,12 +141,9 @@ def _collectives_of(cost, world_size: int):
     return chunked
 
 
-def measure_worker(world_size: int, numel: int, repeats: int, out: str) -> None:
-    """Spawn ``world_size`` Gloo ranks here (inside the shaped namespace when there is one)."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_measure_rank, args=(world_size, free_port(), numel, repeats, out), nprocs=world_size,
-                       start_method="spawn", join=True)
+def measure_worker(world_size: int, numel: int, repeats: int, out: str, timeout_s: float = 3600.0) -> int:
+    """Spawn ``world_size`` Gloo ranks here (inside the shaped namespace when there is one); the exit status."""
+    return launch.spawn_ranks(_measure_rank, world_size, (numel, repeats, out), max_time=timeout_s, name="scaling")
 
 
 def predictions_for(record: dict, bench: Optional[str]) -> Dict[str, float]:
@@ -169,7 +164,7 @@ def predictions_for(record: dict, bench: Optional[str]) -> Dict[str, float]:
 
 def measure(out_dir: str, links: Sequence[str], world_sizes: Sequence[int], numel: int, repeats: int,
             bench: Optional[str], timeout_s: float) -> List[dict]:
-    from experiments import launch, netem
+    from experiments import netem
 
     records = []
     for rate in links:

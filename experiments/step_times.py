@@ -32,7 +32,6 @@ __all__ = ["main", "summarize"]
 
 METHODS = ("noop", "dense", "fp16", "powersgd", "topk", "twobit", "auto")
 LINKS = ("unshaped", "10gbit", "1gbit", "100mbit", "10mbit")
-SPECS = {"topk": "topk:0.01", "twobit": "twobit:chunk", "auto": "topk:0.01"}
 #: Methods whose replica is set up on each link it is timed on (a policy measures its link).
 PER_LINK = ("auto",)
 #: Steps the recipes run before timing: through their dense start and ramp, to the final setting.
@@ -64,36 +63,30 @@ def _agree_on_link(rate: str, rank: int) -> None:
     dist.barrier()
 
 
-def _replica(method: str, net, workload, loop, args):
-    """``(ddp model, optimizer, scheduler)`` of ``method`` on a copy of ``net``."""
+def _replica(method: str, net, loop):
+    """``(ddp model, optimizer, scheduler, gradcomp state or None)`` of ``method`` on a copy of ``net``."""
     import copy
 
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    import gradcomp
     from experiments import loop as loops
     from experiments import methods
 
     model = copy.deepcopy(net)
     ddp = DistributedDataParallel(model)
     optimizer, scheduler = loops.build_optimizer(loop, model)
-    dense_bytes = sum(p.numel() * 4 for p in model.parameters())
-    state = None
-    if method in ("noop", "dense", "fp16", "powersgd"):
-        methods.attach_method(ddp, method, argparse.Namespace(seed=0, backend=None), dense_bytes)
-    else:
-        kwargs = {"policy": gradcomp.Auto()} if method == "auto" else {}
-        state = gradcomp.register(ddp, SPECS[method], optimizer=optimizer, total_steps=PLANNED_STEPS,
-                                  scheduler=scheduler, **kwargs)
+    # gradcomp's recipes at their final setting after PLANNED_STEPS; the others as they are.
+    telemetry = methods.attach_study_method(ddp, method, optimizer, scheduler, PLANNED_STEPS,
+                                            dense_bytes=sum(p.numel() * 4 for p in model.parameters()))
     torch.manual_seed(0)
-    return ddp, model, optimizer, scheduler, state
+    return ddp, optimizer, scheduler, telemetry.state
 
 
 def _policy_summary(replica) -> dict:
     """What a replica's policy chose (``{}`` without one): the link it fitted and, per choice, how
     many groups took it and their elements."""
-    policy = replica[4].stats().get("policy") if replica[4] is not None else None
+    policy = replica[3].stats().get("policy") if replica[3] is not None else None
     if not policy:
         return {}
     chosen: Dict[str, List[int]] = {}
@@ -104,36 +97,38 @@ def _policy_summary(replica) -> dict:
 
 
 def _step(replica, workload, loop, rank: int, step: int) -> float:
-    """One timed optimizer step of a replica; seconds."""
-    from experiments.convergence_ddp import _ddp_step
+    """One timed optimizer step of a replica; seconds (its batch drawn before the clock starts)."""
+    from experiments import loop as loops
 
-    ddp, model, optimizer, scheduler, _ = replica
+    ddp, optimizer, scheduler, _ = replica
+    batches = loops.micro_batches(workload, loop, rank, step, workload.default_batch_size)
     started = time.perf_counter()
-    _ddp_step(ddp, model, workload, loop, optimizer, scheduler, rank, step)
+    loops.optimizer_step(ddp, workload, loop, optimizer, scheduler, batches, step)
     return time.perf_counter() - started
 
 
 def run_rank(rank: int, world_size: int, args) -> None:
-    """Rank ``rank`` of the benchmark (the process group from ``MASTER_ADDR``/``MASTER_PORT``)."""
-    import datetime
+    """Rank ``rank`` of the benchmark (the process group from ``MASTER_ADDR``/``MASTER_PORT``).
+
+    Not a training run (:mod:`experiments.runner`): one replica per method, stepped in interleaved
+    rounds with the link changed between them; it shares the runner's step
+    (:func:`experiments.loop.optimizer_step`), the methods' attachment and the rank's set-up."""
     import warnings
 
-    import torch
     import torch.distributed as dist
 
+    from experiments import launch, suite
     from experiments import loop as loops
-    from experiments import suite
 
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=1800))
+    launch.init_rank(rank, world_size, threads=1, timeout=1800, cuda=False)
     workload = suite.build(args.workload, 0, 32)
     loop = loops.loop_for(args.workload, args.optimizer, PLANNED_STEPS)
     net = workload.build_model()
     methods, links = args.methods.split(","), args.links.split(",")
     # A policy measures the link it runs on: `auto` has one replica per link, set up on that link.
     keys = [(m, rate) for m in methods for rate in (links if m in PER_LINK else [None])]
-    replicas = {key: _replica(key[0], net, workload, loop, args) for key in keys}
+    replicas = {key: _replica(key[0], net, loop) for key in keys}
     counter = {key: 0 for key in keys}
 
     def steps(key, count, timed=False):
@@ -156,7 +151,7 @@ def run_rank(rank: int, world_size: int, args) -> None:
                 key = (method, rate if method in PER_LINK else None)
                 steps(key, args.settle)
                 times.setdefault((method, rate), []).append(steps(key, args.steps, timed=True))
-                if replicas[key][4] is not None and replicas[key][4].engine.policy is not None:
+                if replicas[key][3] is not None and replicas[key][3].engine.policy is not None:
                     chosen.setdefault(f"{method}|{rate}", []).append(_policy_summary(replicas[key]))
     from gradcomp import inflight
 
@@ -208,8 +203,7 @@ def main(argv=None) -> int:
     if args.rank is not None:
         run_rank(args.rank, 2, args)
         return 0
-    from experiments import netem
-    from experiments.launch import free_port
+    from experiments import launch, netem
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with netem.link("10gbit", mode="duplex", ranks=2) as link:
@@ -217,11 +211,10 @@ def main(argv=None) -> int:
             print("step_times: no emulated link (needs root); nothing measured", file=sys.stderr)
             return 1
         env = link.env()
-        env.update(PYTHONPATH=root, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+        env.update(PYTHONPATH=root, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
         argv = [sys.executable, "-m", "experiments.step_times", *(argv if argv is not None else sys.argv[1:])]
-        procs = [subprocess.Popen(link.rank_command(r, argv + ["--rank", str(r)]), env=env, cwd=root)
-                 for r in range(2)]
-        codes = [p.wait(timeout=args.timeout) for p in procs]
+        codes, _ = launch.run_commands([link.rank_command(r, argv + ["--rank", str(r)]) for r in range(2)],
+                                       timeout=args.timeout, env=env, cwd=root)
     if codes != [0, 0]:
         print(f"step_times: ranks exited with {codes}", file=sys.stderr)
         return 1

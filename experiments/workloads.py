@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from experiments.objectives import HeldOutClassifier, NextTokenWindows, _rng
+
 WORKLOADS = ("charlm", "proselm", "digits")
 
 # Every 20th file of the corpus (in sorted order) is held out: splitting by file keeps
@@ -36,11 +38,6 @@ HELD_OUT_EVERY = 20
 # the digits train/test split.
 EVAL_SEED = 1234
 SPLIT_SEED = 0
-
-
-def _rng(*words: int) -> np.random.Generator:
-    """A generator seeded by a tuple of integers (NumPy's SeedSequence mixes them)."""
-    return np.random.default_rng([int(w) for w in words])
 
 
 # ---------------------------------------------------------------------------------------
@@ -171,7 +168,7 @@ class CharTransformer(nn.Module):
         return self.head(self.ln_f(x))
 
 
-class CharLM:
+class CharLM(NextTokenWindows):
     """Next-byte prediction on the standard library's source (see :func:`stdlib_corpus`).
 
     A training batch is ``batch_size`` windows at offsets drawn from ``(seed, rank, step)``;
@@ -197,39 +194,9 @@ class CharLM:
         torch.manual_seed(self.seed)
         return CharTransformer(self.config)
 
-    def _windows(self, data: np.ndarray, offsets: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
-        span = self.config.context + 1
-        windows = np.stack([data[o : o + span] for o in offsets]).astype(np.int64)
-        windows = torch.from_numpy(windows)
-        return windows[:, :-1], windows[:, 1:]
-
-    def batch(self, rank: int, step: int, batch_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)``: int64 ``[batch_size, context]`` inputs and next-byte targets."""
-        offsets = _rng(self.seed, rank, step).integers(0, self.train.size - self.config.context - 1, size=batch_size)
-        return self._windows(self.train, offsets)
-
-    @staticmethod
-    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    @torch.no_grad()
-    def evaluate_sums(self, model: nn.Module, shard: int, shards: int, device, batch_size: int = 32) -> torch.Tensor:
-        """``[loss sum, token count, 0]`` over this shard of the held-out windows
-        (float64, on ``device``); sum the shards of all ranks, then divide."""
-        offsets = self.eval_offsets[shard::shards]
-        total = torch.zeros(3, dtype=torch.float64, device=device)
-        for start in range(0, len(offsets), batch_size):
-            x, y = self._windows(self.held_out, offsets[start : start + batch_size])
-            x, y = x.to(device), y.to(device)
-            logits = model(x)
-            total[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum").double()
-            total[1] += y.numel()
-        return total
-
-    @staticmethod
-    def metrics(sums: torch.Tensor) -> dict:
-        return {"eval_loss": float(sums[0] / sums[1])}
+    @property
+    def context(self) -> int:
+        return self.config.context
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,7 +288,7 @@ class DigitsCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-class Digits:
+class Digits(HeldOutClassifier):
     """Classification of scikit-learn's digits (1797 images, bundled, no download).
 
     Fixed split: 25% held out, stratified, ``random_state=0``. Pixels are scaled to [0, 1].
@@ -355,27 +322,6 @@ class Digits:
         """``(x, y)``: float ``[batch_size, 1, 8, 8]`` images and int64 labels."""
         index = torch.from_numpy(_rng(self.seed, rank, step).integers(0, len(self.y_train), size=batch_size))
         return self.x_train[index], self.y_train[index]
-
-    @staticmethod
-    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(x), y)
-
-    @torch.no_grad()
-    def evaluate_sums(self, model: nn.Module, shard: int, shards: int, device, batch_size: int = 256) -> torch.Tensor:
-        """``[loss sum, count, correct]`` over this shard of the test split (float64)."""
-        x_all, y_all = self.x_test[shard::shards], self.y_test[shard::shards]
-        total = torch.zeros(3, dtype=torch.float64, device=device)
-        for start in range(0, len(y_all), batch_size):
-            x, y = x_all[start : start + batch_size].to(device), y_all[start : start + batch_size].to(device)
-            logits = model(x)
-            total[0] += F.cross_entropy(logits, y, reduction="sum").double()
-            total[1] += y.numel()
-            total[2] += (logits.argmax(1) == y).sum().double()
-        return total
-
-    @staticmethod
-    def metrics(sums: torch.Tensor) -> dict:
-        return {"eval_loss": float(sums[0] / sums[1]), "accuracy": float(sums[2] / sums[1])}
 
 
 def build_workload(

@@ -25,6 +25,8 @@ silenced like any warning: ``warnings.simplefilter("ignore", gradcomp.RecipeNoti
 """
 from __future__ import annotations
 
+import contextvars
+import functools
 import os
 import sys
 import warnings
@@ -92,21 +94,60 @@ def innermost_optimizer(optimizer):
 
 def notice(message: str, announce: bool = True) -> None:
     """Show ``message`` as a :class:`RecipeNotice` (where ``announce``: one rank speaks for all),
-    attributed to the first caller outside gradcomp (the user's ``register(...)`` line)."""
-    if announce:
-        warnings.warn(f"gradcomp: {message}", RecipeNotice, stacklevel=_outside_gradcomp())
+    attributed to the user's line.
+
+    Inside a public entry point (:func:`speaks_to_caller`: ``register``, the Horovod optimizer, the
+    framework callbacks) the notice waits for the entry point to return, which shows it as raised on the
+    line that called it. Elsewhere (a notice of a training step) it names the first caller outside
+    gradcomp on Python 3.12+ (``skip_file_prefixes``), and gradcomp's own calling line before.
+    """
+    if not announce:
+        return
+    held = _held_notices.get()
+    if held is not None:
+        held.append(f"gradcomp: {message}")
+        return
+    warnings.warn(f"gradcomp: {message}", RecipeNotice, **_outside_gradcomp())
 
 
-def _outside_gradcomp() -> int:
-    """The ``stacklevel`` of :func:`warnings.warn` that names the first frame outside gradcomp."""
+#: The notices of the public entry point running now (a list), ``None`` outside one.
+_held_notices: contextvars.ContextVar = contextvars.ContextVar("gradcomp_held_notices", default=None)
+
+
+def speaks_to_caller(entry_point):
+    """Decorate a public entry point of gradcomp: the notices decided while it runs (its set-up, the
+    recipe's summary) are shown when it returns or raises, as warnings raised on the line that called it.
+
+    Why: a warning names a source line by counting frames up from ``warnings.warn``, and gradcomp's
+    depth below the user's call differs by integration; the entry point is the one frame that knows
+    its caller is the user's (or the framework's) code. An entry point called inside another leaves
+    the notices to the outer one.
+    """
+
+    @functools.wraps(entry_point)
+    def speaking(*args, **kwargs):
+        if _held_notices.get() is not None:
+            return entry_point(*args, **kwargs)
+        held = []
+        token = _held_notices.set(held)
+        try:
+            return entry_point(*args, **kwargs)
+        finally:
+            _held_notices.reset(token)
+            for message in held:
+                warnings.warn(message, RecipeNotice, stacklevel=2)
+
+    return speaking
+
+
+def _outside_gradcomp() -> dict:
+    """``warnings.warn``'s keyword arguments that name a line outside gradcomp where the version allows."""
+    if sys.version_info < (3, 12):
+        return {"stacklevel": 2}  # the caller of notice()
     import gradcomp
     import gradcomp.hooks
 
-    roots = tuple(os.path.dirname(module.__file__) for module in (gradcomp, gradcomp.hooks))
-    frame, level = sys._getframe(2), 2  # the caller of notice()
-    while frame is not None and frame.f_code.co_filename.startswith(roots):
-        frame, level = frame.f_back, level + 1
-    return level
+    return {"skip_file_prefixes": tuple(os.path.dirname(module.__file__) for module in (gradcomp, gradcomp.hooks))}
 
 
 def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], *, optimizer=None,

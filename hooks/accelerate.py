@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from gradcomp.hooks import ddp as gc_ddp
-from gradcomp.setup import innermost_optimizer
+from gradcomp.setup import innermost_optimizer, speaks_to_caller
 
 __all__ = ["register", "AllRanksState", "OptimizerStepScheduler"]
 
@@ -125,6 +125,7 @@ def per_optimizer_step(accelerator, scheduler) -> Optional[OptimizerStepSchedule
     return OptimizerStepScheduler(inner, innermost_optimizer(inner.optimizer), per_step)
 
 
+@speaks_to_caller
 def register(accelerator, model: torch.nn.Module, compressor, *, optimizer=None, total_steps: Optional[int] = None,
              scheduler=None, checkpoint: bool = True, **register_kwargs) -> gc_ddp.CompressionState:
     """Put gradcomp's hook on ``model`` (what ``accelerator.prepare`` returned) and return the state.

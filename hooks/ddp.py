@@ -28,7 +28,7 @@ from gradcomp.engine import Engine, Transport
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.exchanges import DEFAULT as DEFAULT_EXCHANGE
 from gradcomp.settings import DEFAULT_MIN_NUMEL
-from gradcomp.setup import prepare
+from gradcomp.setup import prepare, speaks_to_caller
 
 __all__ = ["CompressionState", "compression_hook", "register"]
 
@@ -278,6 +278,7 @@ def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torc
     return handle.work.then(inflight.watch(finish))
 
 
+@speaks_to_caller
 def register(
     model: torch.nn.Module,
     compressor,

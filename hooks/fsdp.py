@@ -38,7 +38,7 @@ from gradcomp.exchanges.reduce_scatter import CompressedReduceScatter, dense_bel
 from gradcomp.hooks.ddp import TorchDistributedTransport
 from gradcomp.hooks.fsdp_checkpoint import dcp_state_dict, engine_state_dict
 from gradcomp.settings import DEFAULT_MIN_NUMEL
-from gradcomp.setup import prepare
+from gradcomp.setup import prepare, speaks_to_caller
 
 __all__ = ["FSDPCompressionState", "GradcompReduceScatter", "FSDPTransport", "register"]
 
@@ -261,6 +261,7 @@ def _refuse_unsharded_stage(compressor, model, kwargs: dict) -> None:
         "or train with DDP and gradcomp.register for the stage.")
 
 
+@speaks_to_caller
 def register(model: torch.nn.Module, compressor, *, optimizer=None, total_steps: Optional[int] = None,
              scheduler=None, min_compression: Optional[float] = None, residual_dtype: torch.dtype = torch.float32,
              residual_share: float = 1.0, **engine_kwargs) -> FSDPCompressionState:

@@ -43,7 +43,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 
 from gradcomp.hooks import ddp as gc_ddp
 from gradcomp.hooks.accelerate import OptimizerStepScheduler
-from gradcomp.setup import innermost_optimizer
+from gradcomp.setup import innermost_optimizer, speaks_to_caller
 
 __all__ = ["GradcompTrainerCallback", "CHECKPOINT_FILE"]
 
@@ -74,6 +74,7 @@ class GradcompTrainerCallback(TrainerCallback):
         self.state: Optional[gc_ddp.CompressionState] = None
         self._ddp = None
 
+    @speaks_to_caller
     def on_train_begin(self, args, state, control, **kwargs):
         model = self.trainer.model_wrapped
         if self.state is not None and model is self._ddp:

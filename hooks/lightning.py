@@ -36,6 +36,7 @@ except ImportError as error:  # pragma: no cover - exercised only without lightn
 from gradcomp import inflight
 from gradcomp.compressors.base import Compressor
 from gradcomp.hooks import ddp as gc_ddp
+from gradcomp.setup import speaks_to_caller
 
 __all__ = ["GradcompCallback", "CHECKPOINT_KEY"]
 
@@ -69,6 +70,7 @@ class GradcompCallback(Callback):
         self.state: Optional[gc_ddp.CompressionState] = None
         self._pending: Optional[Dict[str, Any]] = None  # this rank's state read from a checkpoint
 
+    @speaks_to_caller
     def on_fit_start(self, trainer, pl_module) -> None:
         model = trainer.strategy.model
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):

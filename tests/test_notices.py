@@ -35,3 +35,31 @@ def test_the_recipes_decisions_reach_stderr_on_rank_0_only():
 def test_a_user_silences_them_like_any_warning():
     rank0, rank1 = run_ranks("silence")
     assert "RecipeNotice" not in rank0 + rank1
+
+
+def test_an_entry_point_shows_its_notices_at_its_callers_line_also_when_nested_or_raising():
+    import warnings
+
+    from gradcomp.setup import RecipeNotice, notice, speaks_to_caller
+
+    @speaks_to_caller
+    def inner():
+        notice("inner")
+
+    @speaks_to_caller
+    def outer(fail):
+        inner()
+        notice("outer")
+        if fail:
+            raise ValueError("refused")
+
+    for fail in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                outer(fail)  # the line every notice names
+            except ValueError:
+                assert fail
+        notices = [w for w in caught if issubclass(w.category, RecipeNotice)]
+        assert [str(w.message) for w in notices] == ["gradcomp: inner", "gradcomp: outer"]
+        assert all(w.filename == __file__ for w in notices), [w.filename for w in notices]

@@ -32,7 +32,7 @@ from gradcomp.hooks.horovod.parameters import (
 )
 from gradcomp.hooks.horovod.transport import HorovodTransport
 from gradcomp.settings import DEFAULT_MIN_NUMEL
-from gradcomp.setup import prepare
+from gradcomp.setup import prepare, speaks_to_caller
 
 __all__ = ["DistributedOptimizer"]
 
@@ -217,6 +217,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self.engine.residual_memory
 
 
+@speaks_to_caller
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step: int = 1, op=Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
