@@ -90,7 +90,7 @@ class Auto:
         measurement_hook: for tests: ``hook(kind, group, seconds) -> seconds`` replaces each of
             this rank's own measurements (``kind`` ``"link"``: a warm-up dense allreduce,
             ``"kernel:<spec>"``, ``"exchange"``: a group's exchange after the decision, ``"step"``: a
-            whole step, ``group`` then ``"dense"`` or ``"compressed"``) before they are shared, e.g.
+            whole step, ``group`` then ``"uncompressed"`` or ``"compressed"``) before they are shared, e.g.
             to give ranks different measurements and check they still agree.
     """
 

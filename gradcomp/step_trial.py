@@ -59,7 +59,7 @@ class StepTrial:
         if self._began is not None:
             previous, began = self._began
             seconds = now - began
-            arm = "compressed" if self._compressed_now else "dense"
+            arm = "compressed" if self._compressed_now else "uncompressed"
             seconds = float(hook(arm, seconds)) if hook else seconds
             self._history.append((previous, seconds, self._compressed_now))
             del self._history[:-_KEPT]

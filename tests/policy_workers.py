@@ -17,7 +17,7 @@ def make_model(seed=0):
 
 def link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank=None):
     """A measurement hook that gives each rank its own (injected) link time and scaled kernel times;
-    with ``step_s_by_rank`` (``[{"dense": s, "compressed": s}]`` per rank) its whole steps' times too."""
+    with ``step_s_by_rank`` (``[{"uncompressed": s, "compressed": s}]`` per rank) its whole steps' times too."""
 
     def hook(kind, group, seconds):
         if kind == "link":

@@ -110,7 +110,7 @@ TRIAL_STEPS_RUN = 9
 def test_compression_the_steps_measure_no_faster_goes_dense_on_every_rank(tmp_path):
     # The model predicts compression; rank 0 measures compressed steps faster, rank 1 slower: the
     # slowest rank's medians decide (1.0 s compressed against 0.9 s dense), on both ranks alike.
-    steps = [{"dense": 0.5, "compressed": 0.2}, {"dense": 0.9, "compressed": 1.0}]
+    steps = [{"uncompressed": 0.5, "compressed": 0.2}, {"uncompressed": 0.9, "compressed": 1.0}]
     results = run_trial(tmp_path, steps)
     choices = check_agreement_and_replicas(results)
     assert set(choices.values()) == {"dense"}, choices
@@ -125,7 +125,7 @@ def test_compression_the_steps_measure_no_faster_goes_dense_on_every_rank(tmp_pa
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_compression_the_steps_measure_faster_is_kept(tmp_path):
-    steps = [{"dense": 1.0, "compressed": 0.3}, {"dense": 1.2, "compressed": 0.4}]
+    steps = [{"uncompressed": 1.0, "compressed": 0.3}, {"uncompressed": 1.2, "compressed": 0.4}]
     results = run_trial(tmp_path, steps)
     choices = check_agreement_and_replicas(results)
     assert all(choice in ("twobit:chunk", "topk:0.01") for choice in choices.values()), choices
@@ -146,7 +146,7 @@ class FakeClock:
 def drive(trial, steps, compress_from, dense_s, compressed_s, gather=lambda values: values):
     """Run ``trial`` through ``steps`` steps (compressing from ``compress_from`` unless forced dense);
     returns the steps it forced dense and the step it judged at (``None``: never)."""
-    clock = FakeClock({"dense": dense_s, "compressed": compressed_s})
+    clock = FakeClock({"uncompressed": dense_s, "compressed": compressed_s})
     forced, judged = [], None
     for step in range(steps):
         trial.new_step(step, clock)
