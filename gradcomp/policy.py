@@ -15,7 +15,9 @@ A prediction is not a measurement: a choice that compresses anything is then kep
 steps with it are measured ``dense_margin`` faster than dense steps (:mod:`gradcomp.step_trial`,
 ``trial_steps`` steps per arm); otherwise every group goes dense until the link is found to have
 changed. On the unshaped loopback of a 2-core machine the model predicted fp16 and top-k faster
-(the wire was), and the steps were slower (the CPU that Gloo shares with backward was not).
+(the wire was), and the steps were slower (the CPU that Gloo shares with backward was not). While
+every group goes dense, an optimizer stage that can step aside (the recipe's frozen-variance Adam)
+does, from the next step on, so that those steps cost what dense training's do.
 
 Re-decisions: a group first seen later (DDP rebuilt its buckets) is decided when it first appears;
 every ``recheck_every`` steps the ranks share how measured exchange times compare with the
@@ -134,6 +136,7 @@ class Auto:
         self._step_seen = engine.step
         if new_step:
             self._trial.new_step(engine.step, self._step_hook if self.measurement_hook else None)
+            self._pace_stage(engine.transform)
         chosen = base
         if base is not None and engine.transport is not None and engine.transport.world_size > 1:
             if self.link is None:
@@ -149,9 +152,25 @@ class Auto:
                 # The family the cost model picked, at the setting the schedule gives this step (a
                 # ramp's density): the choice then runs that compressor's recipe.
                 chosen = base
+        if chosen is not None and getattr(engine.transform, "suspended", False):
+            chosen = None  # a suspended stage resumes between steps (the next), never inside one
         self._trial.note(chosen is not None)
         self._launched[group] = time.perf_counter()
         return chosen
+
+    def _pace_stage(self, stage) -> None:
+        """At a step's first group, before anything of it runs: an optimizer stage that can step aside
+        (``suspend``/``resume``, :class:`~gradcomp.optim.FrozenVarianceAdam`) does so while every group's
+        standing choice is dense, and comes back once one is not (or none is decided yet). Its work around
+        an exchange serves compression only, and would make the dense steps slower than dense training.
+        The previous step, all dense, flushed the residuals in the stage's units first."""
+        if stage is None or not callable(getattr(stage, "suspend", None)):
+            return
+        dense = bool(self._chosen) and all(choice is None for choice in self._chosen.values())
+        if dense and not stage.suspended:
+            stage.suspend()
+        elif not dense and stage.suspended:
+            stage.resume()
 
     def _between_steps(self, engine) -> None:
         """The checks due at a step's first group (collectives at the same step on every rank)."""

@@ -62,6 +62,36 @@ def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps, r
     return {"params": [p.detach().clone() for p in model.parameters()], "policy": stats["policy"], "modes": modes}
 
 
+def auto_recipe_worker(rank, world_size, step_s_by_rank, steps, total_steps):
+    """:func:`auto_worker` through the one-call recipe under AdamW (its frozen-variance stage), a slow
+    injected link and injected whole-step times; per step also whether the stage was suspended
+    after it and how many parameters the stage stepped itself (their gradients cleared for the optimizer)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*freezing Adam's variance.*")
+    model = DDP(make_model(), bucket_cap_mb=0.05)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    hook = link_hook([3.0, 5.0], [1.0, 1.0], rank, step_s_by_rank)
+    state = gc_ddp.register(model, gradcomp.TopK(0.01), optimizer=optimizer, total_steps=total_steps,
+                            policy=Auto(measurement_hook=hook, trial_steps=2))
+    stage = state.engine.transform
+    cleared = []  # read after the stage's own step pre-hook, registered before this one
+    optimizer.register_step_pre_hook(lambda *_: cleared.append(len(stage._cleared)))
+    modes, suspended = [], []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(16, 64, generator=generator)
+        y = torch.randint(0, 10, (16,), generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        modes.append({g: s["mode"] for g, s in state.stats()["last_step"]["groups"].items()})
+        suspended.append(stage.suspended)
+    return {"params": [p.detach().clone() for p in model.parameters()], "policy": state.stats()["policy"],
+            "modes": modes, "suspended": suspended, "cleared": cleared,
+            "frozen_denoms": sum("frozen_denom" in optimizer.state[p] for p in model.parameters())}
+
+
 def auto_error_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps):
     """:func:`auto_worker`, returning the error a rank got (``{"error": text}``) instead of raising."""
     try:

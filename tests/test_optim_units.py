@@ -117,7 +117,8 @@ def test_state_dict_holds_settings_and_moments_only():
     net = small_net()
     optimizer = torch.optim.AdamW(net.parameters())
     gradient = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10)
-    assert gradient.state_dict() == {"freeze_step": 10, "exchange": "gradient", "variance_floor": 0.1}
+    assert gradient.state_dict() == {"freeze_step": 10, "exchange": "gradient", "variance_floor": 0.1,
+                                     "suspended": False, "frozen_at": None}
     settings = gradient.settings()
     assert math.isclose(dict(settings["optimizer"][0])["eps"], 1e-8)
     assert dict(settings["optimizer"][0])["lr"] == 1e-3
@@ -145,3 +146,69 @@ def test_the_stage_runs_after_the_steps_closure_and_before_the_update():
     optimizer.zero_grad(set_to_none=True)
     optimizer.step()  # no closure: at once, on what .grad holds (nothing here)
     assert seen[-1][0] is None and len(seen) == 3
+
+
+def frozen_denominators(optimizer, net, at_step, floor=0.1):
+    """What the stage's denominators must be for a variance frozen at ``at_step``."""
+    out = []
+    for p in net.parameters():
+        group, state = optimizer.param_groups[0], optimizer.state[p]
+        sqrt_v = state["exp_avg_sq"].sqrt() / math.sqrt(1 - group["betas"][1] ** at_step)
+        out.append(sqrt_v.clamp(min=float(sqrt_v.mean()) * floor) + group["eps"])
+    return out
+
+
+@pytest.mark.parametrize("exchange", ["gradient", "momentum"])
+def test_a_suspended_stage_is_the_users_adam_continuing_the_frozen_variance(exchange):
+    import copy
+
+    net = small_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    stage = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10, exchange=exchange)
+    train(net, optimizer, 15)
+    frozen = [optimizer.state[p]["frozen_denom"].clone() for p in net.parameters()]
+    torch.testing.assert_close(frozen, frozen_denominators(optimizer, net, 10))
+    stage.moments = {"0.weight": torch.zeros(60)}
+    stage.suspend()
+    assert stage.suspended and stage.moments == {} and stage.state_dict()["suspended"] is True
+    beta2 = 0.999
+    for p, before in zip(net.parameters(), frozen):
+        state = optimizer.state[p]
+        assert "frozen_denom" not in state and not stage.frozen(p)
+        # Adam's bias-corrected variance at step 15 is the one frozen at step 10.
+        sqrt_v = (state["exp_avg_sq"] / (1 - beta2**15)).sqrt()
+        torch.testing.assert_close(sqrt_v.clamp(min=float(sqrt_v.mean()) * 0.1) + 1e-8, before)
+    # From here on the stage does nothing: the same steps as a plain AdamW from the same state.
+    twin = copy.deepcopy(net)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    twin_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # not aliased
+    train(net, optimizer, 3, seed=7)
+    train(twin, twin_optimizer, 3, seed=7)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters()))
+    # Back: the variance freezes again at this step's, 18.
+    stage.resume()
+    assert not stage.suspended and stage.frozen_at == 18
+    expected = frozen_denominators(optimizer, net, 18)
+    train(net, optimizer, 1, seed=8)
+    torch.testing.assert_close([optimizer.state[p]["frozen_denom"] for p in net.parameters()], expected)
+
+
+def test_the_suspension_is_checkpointed_and_checked():
+    net = small_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    stage = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10)
+    train(net, optimizer, 12)
+    stage.suspend()
+    stage.resume()
+    saved = stage.state_dict()
+    assert (saved["suspended"], saved["frozen_at"]) == (False, 12)
+    other = FrozenVarianceAdam(torch.optim.AdamW(net.parameters()), net.named_parameters(), freeze_step=10)
+    other.load_state_dict(saved)
+    assert (other.suspended, other.frozen_at) == (False, 12)
+    for bad in ({"suspended": 1}, {"frozen_at": 0}, {"frozen_at": 2.5}):
+        with pytest.raises(ValueError, match="suspended"):
+            other.load_state_dict({**saved, **bad})
+    assert (other.suspended, other.frozen_at) == (False, 12)
+    # A checkpoint saved before the suspension existed loads as not suspended, frozen at freeze_step.
+    other.load_state_dict({"freeze_step": 10, "exchange": "gradient", "variance_floor": 0.1})
+    assert (other.suspended, other.frozen_at) == (False, None)

@@ -133,6 +133,29 @@ def test_compression_the_steps_measure_faster_is_kept(tmp_path):
     assert any(mode == "allgather" for mode in results[0]["modes"][-1].values()), results[0]["modes"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_while_every_group_goes_dense_the_recipes_adam_stage_steps_aside(tmp_path):
+    # The recipe's frozen-variance Adam works around every exchange; once the trial sends every group
+    # dense, the user's AdamW steps the parameters itself until compression comes back.
+    steps = [{"uncompressed": 0.5, "compressed": 0.2}, {"uncompressed": 0.9, "compressed": 1.0}]
+    results = multiprocess.spawn(workers.auto_recipe_worker, 2, str(tmp_path), steps, 16, 40, timeout_s=240)
+    choices = check_agreement_and_replicas(results)
+    assert set(choices.values()) == {"dense"}, choices
+    assert results[0]["policy"]["trial"]["kept"] is False
+    for result in results:
+        modes, suspended, cleared = result["modes"], result["suspended"], result["cleared"]
+        compressed = [i for i, m in enumerate(modes) if any(mode != "dense" for mode in m.values())]
+        assert compressed, modes  # the trial's compressed arm ran, with the stage at work
+        assert all(cleared[i] == 6 for i in compressed), (compressed, cleared)
+        # The first all-dense step after the verdict flushes the residuals through the stage; the
+        # next step starts with it suspended, and from then on AdamW steps every parameter itself.
+        verdict = compressed[-1] + 1
+        assert not suspended[verdict - 1] and cleared[verdict] == 6, (suspended, cleared)
+        assert all(suspended[verdict + 1:]) and not any(cleared[verdict + 1:]), (verdict, suspended, cleared)
+        assert result["frozen_denoms"] == 0
+
+
 class FakeClock:
     """Step times for :class:`StepTrial` without waiting: ``seconds[arm]`` per step."""
 
@@ -213,3 +236,24 @@ def test_bad_settings_are_refused():
         Auto(candidates=())
     with pytest.raises(ValueError, match="trial_steps"):
         Auto(trial_steps=-1)
+
+
+def test_the_stage_steps_aside_only_while_every_standing_choice_is_dense():
+    import gradcomp
+    from gradcomp.optim import FrozenVarianceAdam
+
+    net = torch.nn.Linear(4, 2)
+    stage = FrozenVarianceAdam(torch.optim.AdamW(net.parameters()), net.named_parameters(), freeze_step=10)
+    auto = Auto()
+    auto._pace_stage(stage)  # nothing decided yet (a dense start, or just after a resume): in place
+    assert not stage.suspended
+    auto._chosen = {0: None, 1: gradcomp.TopK(0.01)}
+    auto._pace_stage(stage)
+    assert not stage.suspended
+    auto._chosen[1] = None
+    auto._pace_stage(stage)
+    assert stage.suspended
+    auto._chosen[0] = gradcomp.TwoBit("chunk")  # a re-decision compresses one group: back
+    auto._pace_stage(stage)
+    assert not stage.suspended
+    auto._pace_stage(None)  # no stage, or one that cannot step aside: nothing to do

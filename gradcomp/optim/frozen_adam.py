@@ -33,6 +33,12 @@ gradient units before the framework writes ``.grad``):
    gradient), advances the optimizer's step count and clears ``.grad`` so that the optimizer's own
    step leaves the parameter alone.
 
+4. **Stepping aside**: while a policy sends every group dense for a while (``Auto``, when a trial
+   measured compressed steps no faster), :meth:`~FrozenVarianceAdam.suspend` hands the parameters
+   back to the user's Adam, its variance live again and continuous with the frozen one, and
+   :meth:`~FrozenVarianceAdam.resume` freezes the variance again, at that step, when compression
+   comes back. A dense step then costs what it costs without gradcomp's stage.
+
 Schedulers, a learning rate set by hand, param groups and ``optimizer.state_dict()`` keep working:
 the stage reads the optimizer at every call and keeps no copy of its settings. ``amsgrad`` and
 ``maximize`` are refused (they change what the frozen step must be).
@@ -41,7 +47,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, Hashable, Iterable, List, Tuple, Union
+from typing import Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -102,6 +108,10 @@ class FrozenVarianceAdam:
             raise ValueError(f"parameters {unmanaged[:5]} are not in the optimizer; the recipe needs every "
                              "parameter DDP averages to be stepped by it")
         self.freeze_step, self.exchange, self.variance_floor = freeze_step, exchange, float(variance_floor)
+        #: Stepped aside (:meth:`suspend`): the user's Adam runs as it is, its variance live again.
+        self.suspended = False
+        #: The optimizer step whose variance the denominators freeze (``None``: ``freeze_step``).
+        self.frozen_at: Optional[int] = None
         #: ``exchange="momentum"``: this rank's first moment per parameter name (float32, flat).
         self.moments: Dict[Hashable, torch.Tensor] = {}
         self._pending: Dict[Tuple[Hashable, ...], List[Tuple[Hashable, torch.Tensor]]] = {}
@@ -127,7 +137,7 @@ class FrozenVarianceAdam:
 
     def frozen(self, param) -> bool:
         """Whether ``param``'s variance is frozen (its exchange is then compressed)."""
-        return self._steps_done(param) >= self.freeze_step
+        return not self.suspended and self._steps_done(param) >= self.freeze_step
 
     def _denom(self, param, group) -> torch.Tensor:
         state = self.optimizer.state[param]
@@ -135,10 +145,47 @@ class FrozenVarianceAdam:
         if denom is None:
             # The variance stopped at the freeze: its bias correction is the freeze step's, whenever
             # the denominator is computed (also from a checkpoint that lacks it).
-            sqrt_v = state["exp_avg_sq"].sqrt() / math.sqrt(1 - group["betas"][1] ** self.freeze_step)
+            sqrt_v = state["exp_avg_sq"].sqrt() / math.sqrt(1 - group["betas"][1] ** self._frozen_at())
             floor = float(sqrt_v.mean()) * self.variance_floor
             denom = state["frozen_denom"] = sqrt_v.clamp(min=floor).add_(group["eps"])
         return denom
+
+    def _frozen_at(self) -> int:
+        return self.freeze_step if self.frozen_at is None else self.frozen_at
+
+    # -- stepping aside while nothing is compressed -------------------------------------------
+    @torch.no_grad()
+    def suspend(self) -> None:
+        """Step aside: the user's Adam runs as it is, with a live variance, until :meth:`resume`.
+
+        A policy calls it between steps when every group goes dense for a while (``Auto`` after a
+        trial measured compression no faster): the frozen step's per-parameter work would only
+        slow dense steps. Call it after a step in which every group went dense, so that the residuals
+        (in update units) were flushed and ``exp_avg`` holds the averaged first moment. Mutates the
+        optimizer's state: ``"frozen_denom"`` is dropped and ``exp_avg_sq`` rescaled so that its
+        bias-corrected value, ``exp_avg_sq / (1 - beta2^t)``, is the frozen one: Adam's next
+        denominators continue from the frozen ones."""
+        if self.suspended:
+            return
+        groups = self._groups()
+        for param in self.names.values():
+            state = self.optimizer.state.get(param, {})
+            if state.pop("frozen_denom", None) is None or "exp_avg_sq" not in state:
+                continue
+            beta2 = groups[id(param)]["betas"][1]
+            state["exp_avg_sq"].mul_((1 - beta2 ** self._steps_done(param)) / (1 - beta2 ** self._frozen_at()))
+        self.moments, self.suspended = {}, True
+        self._pending.clear()
+
+    def resume(self) -> None:
+        """Come back after :meth:`suspend`: the variance freezes again at this step's (the next
+        compressed step computes the denominators from it), and each rank's first moment starts
+        again from the optimizer's ``exp_avg``, the same on every rank."""
+        if not self.suspended:
+            return
+        self.suspended = False
+        self.frozen_at = max((self._steps_done(p) for p in self.names.values()), default=self.freeze_step)
+        self.frozen_at = max(self.frozen_at, self.freeze_step)
 
     def _pieces(self, keys, numels, flat: torch.Tensor):
         """``(key, parameter, its group, its slice of flat)`` of the frozen parameters laid out in ``flat``."""
@@ -244,8 +291,9 @@ class FrozenVarianceAdam:
                 "step_hook": self._hook is not None}
 
     def state_dict(self) -> dict:
-        """The settings, and with ``exchange="momentum"`` this rank's first moments (CPU float32)."""
-        state = self._recipe()
+        """The settings, whether the stage is suspended and where the variance froze, and with
+        ``exchange="momentum"`` this rank's first moments (CPU float32)."""
+        state = {**self._recipe(), "suspended": self.suspended, "frozen_at": self.frozen_at}
         if self.exchange == "momentum":
             state["moments"] = {k: v.detach().cpu().clone() for k, v in self.moments.items()}
         return state
@@ -261,6 +309,10 @@ class FrozenVarianceAdam:
             raise ValueError(f"expected FrozenVarianceAdam.state_dict(), got {type(state_dict).__name__}")
         saved = dict(state_dict)
         moments = saved.pop("moments", {})
+        suspended, frozen_at = saved.pop("suspended", False), saved.pop("frozen_at", None)
+        if not isinstance(suspended, bool) or not (frozen_at is None or (type(frozen_at) is int and frozen_at >= 1)):
+            raise ValueError(f"the checkpoint's FrozenVarianceAdam has suspended={suspended!r}, "
+                             f"frozen_at={frozen_at!r}; expected a bool and None or a step >= 1")
         if saved != self._recipe():
             raise ValueError(f"the checkpoint's FrozenVarianceAdam settings {saved} differ from this run's "
                              f"{self._recipe()}")
@@ -277,7 +329,7 @@ class FrozenVarianceAdam:
             checked[key] = moment
 
         def assign() -> None:
-            self.moments = checked
+            self.moments, self.suspended, self.frozen_at = checked, suspended, frozen_at
             self._pending.clear()
 
         return assign
