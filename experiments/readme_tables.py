@@ -79,9 +79,13 @@ def time_table(rows: List[dict]) -> str:
         lines.append(f"| {link} | {'–' if over is None else f'{over:.2f}'} | " + " | ".join(cells) + " |")
     spreads = [r["spread"] for r in rows if r.get("spread") is not None]
     loads = sorted({str(r["load_before"]) for r in rows if r.get("load_before") is not None})
+    paired = [r["ratio_spread"] for r in rows if r.get("ratio_spread") is not None and r["method"] != "dense"]
     if spreads:
         lines.append(f"\nStep times: medians of interleaved rounds, spread between rounds {min(spreads):.0%}–"
                      f"{max(spreads):.0%}; load before the timing: {', '.join(loads) or 'not recorded'}.")
+    if paired:
+        lines.append(f"Each method's step is dense's times its ratio to dense paired step by step (the steps taken in "
+                     f"turn); those ratios spread {min(paired):.1%}–{max(paired):.1%} between rounds.")
     return "\n".join(lines) + "\n"
 
 

@@ -6,13 +6,19 @@ same weights: ``noop`` (no communication: the compute floor), ``dense``, torch's
 ``powersgd`` hooks, and gradcomp's ``topk``/``twobit`` recipes and ``auto`` at their final setting
 (each replica is first trained through its dense start and ramp). Then, for ``--rounds`` rounds,
 for each link of ``--links`` (the link changes between them by ``tc qdisc replace`` on both ends
-of both ranks' links, no process restarts), for each method: ``--settle`` untimed steps, then
-``--steps`` timed steps. A method's time on a link is the median over rounds of the per-round
-median step time; its ``spread`` is the range of those round medians over their median. The load
-average before the run (``$QUIET_LOAD_BEFORE``, set by ``../shared/tools/quiet``) is recorded.
+of both ranks' links, no process restarts): ``--settle`` untimed steps of each method, then
+``--steps`` timed steps of every method in turn (one step of each, the order rotated every step).
+A method's time on a link is the median over rounds of the per-round median step time (the slower
+rank's, step by step); its ``spread`` is the range of those round medians over their median. The
+machine's own speed drifts between rounds (on 2 shared cores the compute floor alone spread 20-33 %),
+so each method is also compared with dense step by step: step ``i`` of both, taken in turn, make a
+pair, and ``ratio_vs_dense`` is the median over rounds of each round's median paired ratio, with
+its ``ratio_spread``. The load average before the run (``$QUIET_LOAD_BEFORE``, set by
+``../shared/tools/quiet``) is recorded.
 
 Output (``--out``): ``step_times.json``, a list of rows ``{workload, optimizer, method, link,
-step_time, spread, rounds: [...], load_before, dense_step_over_compute (dense rows)}`` and a table.
+step_time, spread, rounds: [...], load_before, dense_step_over_compute (dense rows), ratio_vs_dense,
+ratio_spread, ratio_rounds (rows of other methods on a link dense was timed on)}`` and a table.
 Run it alone on the machine::
 
     ../shared/tools/quiet python -m experiments.step_times --workload charlm-small --out DIR
@@ -107,6 +113,21 @@ def _step(replica, workload, loop, rank: int, step: int) -> float:
     return time.perf_counter() - started
 
 
+def _interleaved(replicas, keys: Dict[str, tuple], counter, workload, loop, rank: int,
+                 count: int) -> Dict[str, List[float]]:
+    """``count`` timed steps of every method of ``keys`` (method -> replica key), one step of each in
+    turn, the order rotated every step: whatever slows the machine for a while slows every method
+    alike, so step ``i`` of two methods makes a pair. Returns each method's seconds, in step order."""
+    methods = list(keys)
+    seconds: Dict[str, List[float]] = {m: [] for m in methods}
+    for i in range(count):
+        for j in range(len(methods)):
+            key = keys[methods[(i + j) % len(methods)]]
+            seconds[key[0]].append(_step(replicas[key], workload, loop, rank, counter[key]))
+            counter[key] += 1
+    return seconds
+
+
 def run_rank(rank: int, world_size: int, args) -> None:
     """Rank ``rank`` of the benchmark (the process group from ``MASTER_ADDR``/``MASTER_PORT``).
 
@@ -131,26 +152,26 @@ def run_rank(rank: int, world_size: int, args) -> None:
     replicas = {key: _replica(key[0], net, loop) for key in keys}
     counter = {key: 0 for key in keys}
 
-    def steps(key, count, timed=False):
-        measured = []
+    def steps(key, count):
         for _ in range(count):
-            measured.append(_step(replicas[key], workload, loop, rank, counter[key]))
+            _step(replicas[key], workload, loop, rank, counter[key])
             counter[key] += 1
-        return statistics.median(measured) if timed else None
 
     for rate in [None] + links:  # through the dense start and the ramp, to the final setting
         _agree_on_link("unshaped" if rate is None else rate, rank)
         for key in (k for k in keys if k[1] == rate):
             steps(key, PLANNED_STEPS)
-    times: Dict[tuple, List[float]] = {}
+    times: Dict[tuple, List[List[float]]] = {}
     chosen: Dict[str, List[dict]] = {}
-    for round_index in range(args.rounds):
+    for _ in range(args.rounds):
         for rate in links:
             _agree_on_link(rate, rank)
-            for method in methods:
-                key = (method, rate if method in PER_LINK else None)
+            here = {m: (m, rate if m in PER_LINK else None) for m in methods}
+            for key in here.values():
                 steps(key, args.settle)
-                times.setdefault((method, rate), []).append(steps(key, args.steps, timed=True))
+            for method, seconds in _interleaved(replicas, here, counter, workload, loop, rank, args.steps).items():
+                times.setdefault((method, rate), []).append(seconds)
+            for method, key in here.items():
                 if replicas[key][3] is not None and replicas[key][3].engine.policy is not None:
                     chosen.setdefault(f"{method}|{rate}", []).append(_policy_summary(replicas[key]))
     from gradcomp import inflight
@@ -166,15 +187,25 @@ def run_rank(rank: int, world_size: int, args) -> None:
 
 
 def summarize(gathered: List[dict], args, load_before) -> List[dict]:
-    """Rows: per method and link, the median over rounds of the slower rank's round medians."""
+    """Rows: per method and link, the median over rounds of the round medians of the slower rank's step
+    times, and against dense on the same link the median over rounds of the per-round median of the
+    paired ratios (step ``i`` of the method over step ``i`` of dense, taken in turn)."""
+    slower = {key: [[max(rank[key][r][i] for rank in gathered) for i in range(len(per_round))]
+                    for r, per_round in enumerate(gathered[0][key])] for key in gathered[0]}
     rows = []
-    for key in gathered[0]:
+    for key, per_round in slower.items():
         method, link = key.split("|")
-        rounds = [max(per_rank[key][i] for per_rank in gathered) for i in range(len(gathered[0][key]))]
+        rounds = [statistics.median(steps) for steps in per_round]
         median = statistics.median(rounds)
-        rows.append({"workload": args.workload, "optimizer": args.optimizer, "method": method, "link": link,
-                     "step_time": median, "spread": (max(rounds) - min(rounds)) / median, "rounds": rounds,
-                     "steps_per_round": args.steps, "load_before": load_before})
+        row = {"workload": args.workload, "optimizer": args.optimizer, "method": method, "link": link,
+               "step_time": median, "spread": (max(rounds) - min(rounds)) / median, "rounds": rounds,
+               "steps_per_round": args.steps, "load_before": load_before}
+        dense = slower.get(f"dense|{link}")
+        if dense is not None and method != "dense":
+            ratios = [statistics.median(a / b for a, b in zip(mine, theirs)) for mine, theirs in zip(per_round, dense)]
+            ratio = statistics.median(ratios)
+            row.update(ratio_vs_dense=ratio, ratio_spread=(max(ratios) - min(ratios)) / ratio, ratio_rounds=ratios)
+        rows.append(row)
     floor = {r["link"]: r["step_time"] for r in rows if r["method"] == "noop"}
     for row in rows:
         if row["method"] == "dense" and row["link"] in floor:
@@ -223,7 +254,10 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, f"step_times_{args.workload}_{args.optimizer}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     for row in sorted(rows, key=lambda r: (LINKS.index(r["link"]) if r["link"] in LINKS else 9, r["method"])):
-        print(f"{row['link']:>9} {row['method']:>9} {row['step_time'] * 1000:9.1f} ms  spread {row['spread']:.1%}")
+        paired = (f"  {row['ratio_vs_dense']:.3f}x dense (paired, spread {row['ratio_spread']:.1%})"
+                  if "ratio_vs_dense" in row else "")
+        print(f"{row['link']:>9} {row['method']:>9} {row['step_time'] * 1000:9.1f} ms  spread {row['spread']:.1%}"
+              + paired)
     return 0
 
 

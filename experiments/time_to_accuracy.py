@@ -9,13 +9,16 @@ link of the step-time benchmark (``step_times_*.json``, :mod:`experiments.step_t
 * ``time_ratio_vs_dense``: the method's time to the target over dense's time to its own final loss
   (its first evaluation at that loss x dense's step time on the link). The method's time counts
   each step by the bytes it sent: the dense start and the ramp cost more than the final setting
-  the benchmark times (:func:`run_time`; ``time_model`` says which model a row used).
+  the benchmark times (:func:`run_time`; ``time_model`` says which model a row used). Its step
+  at the final setting is dense's times the benchmark's paired ratio to dense
+  (:func:`paired_step_time`; ``step_ratio_vs_dense``, ``ratio_spread``).
 
 Output in ``--out``: ``time_to_accuracy.json``, one row per workload x optimizer x method x link
 with ``workload, optimizer, method, link, steps_to_target, step_time, spread, load_before,
-time_ratio_vs_dense`` and, on dense's rows, ``dense_step_over_compute``; ``time_to_accuracy.md``;
-and per workload x optimizer a plot of held-out loss against time, one panel per link, one line
-per method. The step times of a workload come from its own benchmark file when there is one.
+step_ratio_vs_dense, ratio_spread, time_ratio_vs_dense`` and, on dense's rows,
+``dense_step_over_compute``; ``time_to_accuracy.md``; and per workload x optimizer a plot of
+held-out loss against time, one panel per link, one line per method. The step times of a
+workload come from its own benchmark file when there is one.
 
 Example::
 
@@ -91,18 +94,29 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
             dense_timed = _timing(times, workload, optimizer, "dense", link)
             if timed is None or dense_timed is None:
                 continue
-            ratio, model = None, None
+            ratio, model, step_time = None, None, paired_step_time(timed, dense_timed)
             if reached is not None and dense_steps:
-                seconds, model = run_time(run, reached, timed["step_time"], dense_timed["step_time"])
+                seconds, model = run_time(run, reached, step_time, dense_timed["step_time"])
                 ratio = seconds / (dense_steps * dense_timed["step_time"])
             row = {"workload": workload, "optimizer": optimizer, "method": method, "link": link,
                    "target_loss": target, "steps_to_target": steps, "step_time": timed["step_time"],
                    "spread": timed["spread"], "load_before": timed.get("load_before"),
+                   "step_ratio_vs_dense": step_time / dense_timed["step_time"],
+                   "ratio_spread": timed.get("ratio_spread", 0.0 if method == "dense" else None),
                    "step_times_of": timed["workload"], "time_ratio_vs_dense": ratio, "time_model": model}
             if method == "dense":
                 row["dense_step_over_compute"] = timed.get("dense_step_over_compute")
             rows.append(row)
     return rows
+
+
+def paired_step_time(timed: dict, dense_timed: dict) -> float:
+    """A method's step time for its time to the target: dense's median times the method's paired
+    ratio to dense (step by step, in turn; :mod:`experiments.step_times`) where the benchmark has it,
+    which the machine's drift between rounds leaves out; else the method's own median."""
+    if "ratio_vs_dense" in timed:
+        return dense_timed["step_time"] * timed["ratio_vs_dense"]
+    return timed["step_time"]
 
 
 def _timing(times: Dict[tuple, dict], workload: str, optimizer: str, method: str, link: str) -> Optional[dict]:
@@ -115,14 +129,16 @@ def _timing(times: Dict[tuple, dict], workload: str, optimizer: str, method: str
 
 
 def markdown(rows: List[dict]) -> str:
-    lines = ["| workload | optimizer | link | method | steps to target | step (ms) | spread | time vs dense | "
-             "dense step / compute |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | optimizer | link | method | steps to target | step (ms) | spread | step vs dense, paired "
+             "(spread) | time vs dense | dense step / compute |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "never" if r["time_ratio_vs_dense"] is None else f"{r['time_ratio_vs_dense']:.2f}x"
-        over = r.get("dense_step_over_compute")
+        over, paired = r.get("dense_step_over_compute"), r.get("step_ratio_vs_dense")
+        paired_text = "" if paired is None or r.get("ratio_spread") is None else (
+            f"{paired:.3f}x ({r['ratio_spread']:.1%})")
         lines.append(f"| {r['workload']} | {r['optimizer']} | {r['link']} | {r['method']} | "
                      f"{r['steps_to_target'] if r['steps_to_target'] is not None else 'never'} | "
-                     f"{r['step_time'] * 1000:.1f} | {r['spread']:.1%} | {ratio} | "
+                     f"{r['step_time'] * 1000:.1f} | {r['spread']:.1%} | {paired_text} | {ratio} | "
                      f"{'' if over is None else f'{over:.2f}'} |")
     return "\n".join(lines) + "\n"
 
@@ -146,7 +162,8 @@ def plot(rows: List[dict], convergence: List[dict], out: str) -> List[str]:
             for row in on_link:
                 run = min((c for c in convergence if (c["workload"], c["optimizer"], c["method"]) ==
                            (workload, optimizer, row["method"])), key=lambda c: c["seed"])
-                seconds = [run_time(run, i, row["step_time"], dense_time)[0] for i in range(len(run["evals"]))]
+                step_time = dense_time * row["step_ratio_vs_dense"]
+                seconds = [run_time(run, i, step_time, dense_time)[0] for i in range(len(run["evals"]))]
                 ax.plot(seconds, [e[2] for e in run["evals"]], label=row["method"])
             ax.axhline(members[0]["target_loss"], color="grey", linewidth=0.8, linestyle=":")
             ax.set_title(link)

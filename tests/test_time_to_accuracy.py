@@ -64,3 +64,27 @@ def test_rows_files_and_a_method_that_never_reaches_the_target(tmp_path):
     table = (tmp_path / "out" / "time_to_accuracy.md").read_text()
     assert table.count("| never |") == 4 and "0.50x" in table  # steps and ratio, 2 links
     assert (tmp_path / "out" / "w_sgdm_loss_vs_time.png").stat().st_size > 1000
+
+
+def test_the_paired_ratio_sees_through_the_machines_drift_between_rounds():
+    """Two rounds on a machine 30 % slower in the second; within a round `auto` takes 1.01x dense's
+    step, step by step: the round medians spread 30 %, the paired ratio is 1.01 with no spread, and the
+    time to the target counts auto's step as dense's median x 1.01."""
+    from argparse import Namespace
+
+    from experiments import step_times
+
+    def rank(extra):  # per key, per round, per step; the slower rank is taken step by step
+        dense = [[0.100, 0.104, 0.098], [0.130, 0.135, 0.127]]
+        return {"dense|unshaped": dense, "auto|unshaped": [[t * 1.01 + extra for t in r] for r in dense],
+                "noop|unshaped": [[0.09] * 3, [0.117] * 3]}
+
+    rows = step_times.summarize([rank(0.0), rank(-0.01)], Namespace(workload="w", optimizer="sgdm", steps=3), 0.2)
+    by = {r["method"]: r for r in rows}
+    assert by["dense"]["spread"] == pytest.approx((0.130 - 0.100) / 0.115)
+    assert by["auto"]["ratio_vs_dense"] == pytest.approx(1.01) and by["auto"]["ratio_spread"] == pytest.approx(0)
+    assert "ratio_vs_dense" not in by["dense"]
+    assert by["dense"]["dense_step_over_compute"] == pytest.approx(0.115 / 0.1035)
+    dense, auto = timing("dense", "unshaped", 0.115), {**timing("auto", "unshaped", 0.2), "ratio_vs_dense": 1.01}
+    assert tta.paired_step_time(auto, dense) == pytest.approx(0.115 * 1.01)
+    assert tta.paired_step_time(timing("auto", "unshaped", 0.2), dense) == 0.2  # no pairs: its own median
