@@ -12,8 +12,8 @@ predicted ``comm + compute``; a compressor must beat dense by :attr:`Auto.dense_
 chosen. Every rank computes the choice from the same gathered integers, so all ranks agree.
 
 A prediction is not a measurement: a choice that compresses anything is then kept only if whole
-steps with it are measured ``dense_margin`` faster than dense steps (:mod:`gradcomp.step_trial`,
-``trial_steps`` steps per arm); otherwise every group goes dense until the link is found to have
+steps with it are measured ``dense_margin`` faster than dense steps taken in turn with them
+(:mod:`gradcomp.step_trial`, ``trial_steps`` pairs); otherwise every group goes dense until the link is found to have
 changed. On the unshaped loopback of a 2-core machine the model predicted fp16 and top-k faster
 (the wire was), and the steps were slower (the CPU that Gloo shares with backward was not). While
 every group goes dense, an optimizer stage that can step aside (the recipe's frozen-variance Adam)
@@ -86,9 +86,10 @@ class Auto:
         link_margin: re-decide when measured/predicted exchange time leaves
             ``[1 / (1 + m), 1 + m]`` (default 0.5).
         recheck_every: steps between those checks (default 100; 0: never).
-        trial_steps: steps per arm of the measured trial that keeps a choice only if whole steps
-            with it are at least ``dense_margin`` faster than dense steps (default 8; 0: keep what
-            the model predicts, unmeasured). See :mod:`gradcomp.step_trial`.
+        trial_steps: pairs of steps (one dense, one compressed, taken in turn, each cycle with a step
+            that flushes the residuals) of the measured trial that keeps a choice only if whole steps
+            with it are at least ``dense_margin`` faster (default 8; 0: keep what the model predicts,
+            unmeasured). See :mod:`gradcomp.step_trial`.
         measurement_hook: for tests: ``hook(kind, group, seconds) -> seconds`` replaces each of
             this rank's own measurements (``kind`` ``"link"``: a warm-up dense allreduce,
             ``"kernel:<spec>"``, ``"exchange"``: a group's exchange after the decision, ``"step"``: a
@@ -154,19 +155,20 @@ class Auto:
                 chosen = base
         if chosen is not None and getattr(engine.transform, "suspended", False):
             chosen = None  # a suspended stage resumes between steps (the next), never inside one
-        self._trial.note(chosen is not None)
         self._launched[group] = time.perf_counter()
         return chosen
 
     def _pace_stage(self, stage) -> None:
         """At a step's first group, before anything of it runs: an optimizer stage that can step aside
         (``suspend``/``resume``, :class:`~gradcomp.optim.FrozenVarianceAdam`) does so while every group's
-        standing choice is dense, and comes back once one is not (or none is decided yet). Its work around
-        an exchange serves compression only, and would make the dense steps slower than dense training.
-        The previous step, all dense, flushed the residuals in the stage's units first."""
+        standing choice is dense, and on a trial's timed dense steps, and comes back once neither holds
+        (or nothing is decided yet). Its work around an exchange serves compression only, and would make
+        the dense steps slower than dense training. The previous step, all dense, flushed the residuals in
+        the stage's units first (a trial's flush step, or the step the verdict went dense)."""
         if stage is None or not callable(getattr(stage, "suspend", None)):
             return
-        dense = bool(self._chosen) and all(choice is None for choice in self._chosen.values())
+        dense = ((bool(self._chosen) and all(choice is None for choice in self._chosen.values()))
+                 or self._trial.suspends_stage(self._step_seen))  # the trial's timed dense arm
         if dense and not stage.suspended:
             stage.suspend()
         elif not dense and stage.suspended:
@@ -177,8 +179,9 @@ class Auto:
         if self.recheck_every and engine.step - self._last_check >= self.recheck_every:
             self._recheck(engine)
         if self._trial.due(engine.step) and not self._trial.judge(lambda v: _slowest(self._gather(engine, v))):
-            logger.info("gradcomp.Auto: steps with compression took %.4g s against %.4g s dense; every group "
-                        "goes dense", self._trial.verdict["compressed_step_s"], self._trial.verdict["dense_step_s"])
+            logger.info("gradcomp.Auto: steps with compression took %.4gx the dense steps taken in turn with them "
+                        "(median %.4g s against %.4g s); every group goes dense", self._trial.verdict["paired_ratio"],
+                        self._trial.verdict["compressed_step_s"], self._trial.verdict["dense_step_s"])
             self._measured_dense = True
             self._chosen.clear()
             self.decisions.clear()

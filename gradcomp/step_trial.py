@@ -7,109 +7,112 @@ compressed exchange, the engine's per-group work, a CPU that Gloo's thread share
 on the CPU). So a choice that compresses anything is kept only if the *step* is measured faster.
 
 A step's time runs from its first group's ``choose`` to the next step's: forward, backward, the
-exchanges and the optimizer, as the user's loop runs them. The trial compares two arms:
+exchanges and the optimizer, as the user's loop runs them. The trial takes the two arms in turn,
+``steps`` cycles of three steps after the deciding step (which times the kernels, cold):
 
-- *dense*: the latest steps in which every group went dense (the warm-up's dense steps for the
-  first decision; for a decision taken again while compressing, ``steps`` steps forced dense first,
-  since the earlier dense steps ran on another link);
-- *compressed*: the ``steps`` steps after the deciding step (which times the kernels and is
-  skipped).
+- *flush*: dense, untimed; it sends what the residuals hold, through the optimizer stage;
+- *dense*: dense and timed, with an optimizer stage that can step aside stepped aside
+  (``suspends_stage``), as it is while every group goes dense;
+- *compressed*: the choice, timed.
 
-The ranks share the two medians (the slowest rank's count: every rank waits for the slowest), and
-the compression is kept only if its median is at most ``1 - margin`` of the dense median. The
-verdict is the same on every rank: all of them gathered the same numbers at the same step.
+Each cycle's compressed step over its dense step is one paired ratio. On a shared 2-core machine
+one step's time varies by 10-17 % and slow stretches last several steps, so two blocks of steps
+taken one after the other measured the machine as much as the choice (a choice kept on 8 steps
+against 8 earlier dense ones was 12 % slower when the steps were taken in turn); a ratio of
+neighbouring steps cancels the stretches. The ranks share their medians (the slowest rank's count:
+every rank waits for the slowest), and the compression is kept only if the median paired ratio is
+at most ``1 - margin``. The verdict is the same on every rank: all of them gathered the same
+numbers at the same step.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 __all__ = ["StepTrial"]
 
-#: Steps of history kept (each: the step, its seconds, whether any group was compressed).
-_KEPT = 64
+#: A cycle's steps, in order (see the module docstring).
+CYCLE = ("flush", "dense", "compressed")
+#: The names a measurement hook gets for the timed arms (exchange names stay in gradcomp.exchanges).
+ARM_NAMES = {"dense": "uncompressed", "compressed": "compressed"}
 
 
 class StepTrial:
-    """Times whole steps and judges one choice at a time against dense steps.
+    """Times whole steps and judges one choice at a time against dense steps taken in turn with it.
 
     Args:
-        steps: steps per arm (at least 2 are needed of the dense arm; 0: never judge, keep every choice).
-        margin: the compressed median must be at most ``1 - margin`` of the dense median.
+        steps: cycles (paired dense and compressed steps) per trial; 0: never judge, keep every choice.
+        margin: the median paired ratio, compressed over dense, must be at most ``1 - margin``.
     """
 
     def __init__(self, steps: int, margin: float):
         self.steps, self.margin = int(steps), float(margin)
-        self._history: List[Tuple[int, float, bool]] = []
-        self._began: Optional[Tuple[int, float]] = None
-        self._compressed_now = False
-        self._dense_from = None      # dense steps before this one belong to another decision
-        self._force_until = -1       # steps < this go dense (the dense arm, taken on demand)
-        self._window: Optional[Tuple[int, int]] = None  # [first, last) steps of the compressed arm
-        #: The last verdict: ``{"dense_step_s", "compressed_step_s", "kept"}`` or ``None``.
+        self._began: Optional[tuple] = None      # (step, perf_counter) of the open step
+        self._first: Optional[int] = None        # the running trial's first cycle step
+        self._seconds: Dict[int, float] = {}     # step -> seconds, the running trial's timed steps
+        #: The last verdict: ``{"dense_step_s", "compressed_step_s", "paired_ratio", "kept"}`` or ``None``.
         self.verdict: Optional[Dict[str, object]] = None
 
     # -- per step --------------------------------------------------------------------------
     def new_step(self, step: int, hook: Optional[Callable[[str, float], float]] = None) -> None:
-        """Close the previous step (its time and arm) and open ``step``. ``hook(arm, seconds) ->
-        seconds`` replaces this rank's measured time of the closed step (tests)."""
+        """Close the previous step (its time, if the trial times it) and open ``step``.
+        ``hook(arm, seconds) -> seconds`` replaces this rank's measured time of a timed step (tests)."""
         now = time.perf_counter()
         if self._began is not None:
             previous, began = self._began
-            seconds = now - began
-            arm = "compressed" if self._compressed_now else "uncompressed"
-            seconds = float(hook(arm, seconds)) if hook else seconds
-            self._history.append((previous, seconds, self._compressed_now))
-            del self._history[:-_KEPT]
-        if self._dense_from is None:
-            self._dense_from = step + 1  # the first step carries the set-up
-        self._began, self._compressed_now = (step, now), False
+            arm = self.arm(previous)
+            if arm in ARM_NAMES:
+                seconds = now - began
+                self._seconds[previous] = float(hook(ARM_NAMES[arm], seconds)) if hook else seconds
+        self._began = (step, now)
 
-    def note(self, compressed: bool) -> None:
-        """One group of this step went compressed (``True``) or dense."""
-        self._compressed_now = self._compressed_now or compressed
+    def arm(self, step: int) -> Optional[str]:
+        """``step``'s part in the running trial (a name of :data:`CYCLE`), ``None`` outside one."""
+        if self._first is None or not self._first <= step < self._first + len(CYCLE) * self.steps:
+            return None
+        return CYCLE[(step - self._first) % len(CYCLE)]
 
     def forces_dense(self, step: int) -> bool:
-        """Whether this step belongs to a dense arm taken on demand."""
-        return step < self._force_until
+        """Whether this step is one of the trial's dense ones."""
+        return self.arm(step) in ("flush", "dense")
+
+    def suspends_stage(self, step: int) -> bool:
+        """Whether an optimizer stage that can step aside does so for this step (the timed dense arm)."""
+        return self.arm(step) == "dense"
 
     # -- one decision ----------------------------------------------------------------------
     def begin(self, step: int) -> None:
-        """A decision that compresses something was taken at ``step``: schedule its trial."""
-        if self.steps == 0 or self._window is not None:
+        """A decision that compresses something was taken at ``step``: its trial starts at the next step."""
+        if self.steps == 0 or self._first is not None:
             return
-        if len(self._dense_since(self._dense_from)) >= 2:
-            first = step + 1
-        else:  # no dense steps of this decision's link: take them now
-            self._dense_from = step
-            self._force_until = step + self.steps
-            first = self._force_until + 1  # the first compressed step runs the kernels cold
-        self._window = (first, first + self.steps)
+        self._first, self._seconds = step + 1, {}
 
     def due(self, step: int) -> bool:
-        """Whether the trial's compressed arm is complete at ``step`` (then call :meth:`judge`)."""
-        return self._window is not None and step >= self._window[1]
+        """Whether the running trial's last cycle is over at ``step`` (then call :meth:`judge`)."""
+        return self._first is not None and step >= self._first + len(CYCLE) * self.steps
 
     def judge(self, gather: Callable[[List[float]], List[float]]) -> bool:
-        """Share both arms' medians across ranks; ``True``: keep the compression. A collective:
-        ``gather(values)`` returns, per value, the slowest rank's (``inf`` where no rank measured it)."""
-        first, last = self._window
-        dense = self._dense_since(self._dense_from)[-self.steps:]
-        compressed = [s for step, s, c in self._history if first <= step < last and c]
-        local = [statistics.median(dense) if dense else float("nan"),
-                 statistics.median(compressed) if compressed else float("nan")]
-        dense_s, compressed_s = gather(local)
-        # Unmeasured (inf) on either side is not "measured faster": dense.
-        kept = math.isfinite(dense_s) and compressed_s <= (1 - self.margin) * dense_s
-        self.verdict = {"dense_step_s": dense_s, "compressed_step_s": compressed_s, "kept": kept}
-        self._window = None
+        """Share the medians across ranks; ``True``: keep the compression. A collective: ``gather(values)``
+        returns, per value, the slowest rank's (``inf`` where no rank measured it)."""
+        dense, compressed, ratios = [], [], []
+        for cycle in range(self.steps):
+            at = self._first + len(CYCLE) * cycle
+            d, c = self._seconds.get(at + 1), self._seconds.get(at + 2)
+            dense += [d] if d is not None else []
+            compressed += [c] if c is not None else []
+            if d is not None and c is not None and d > 0:
+                ratios.append(c / d)
+        local = [statistics.median(v) if v else float("nan") for v in (dense, compressed, ratios)]
+        dense_s, compressed_s, ratio = gather(local)
+        # Unmeasured (inf) is not "measured faster": dense.
+        kept = math.isfinite(ratio) and ratio <= 1 - self.margin
+        self.verdict = {"dense_step_s": dense_s, "compressed_step_s": compressed_s, "paired_ratio": ratio,
+                        "kept": kept}
+        self._first, self._seconds = None, {}
         return kept
 
     def restart(self, step: int) -> None:
-        """The link changed: earlier dense steps no longer speak for the next decision."""
-        self._dense_from, self._window = step, None
-
-    def _dense_since(self, first: int) -> List[float]:
-        return [s for step, s, compressed in self._history if step >= first and not compressed]
+        """The link changed at ``step``: a running trial measured the old one, and is dropped."""
+        self._first, self._seconds = None, {}

@@ -96,13 +96,13 @@ def test_a_link_that_changes_is_measured_and_decided_again(tmp_path):
 
 def run_trial(tmp_path, step_s_by_rank):
     """A very slow injected link (the model predicts compression) and injected whole-step times; 2
-    steps per arm: warm-up gives one usable dense step, so the dense arm is taken (steps 2-3), the
-    compressed arm runs steps 5-6 and the verdict falls at step 7."""
+    cycles: step 2 decides (compressed, untimed), then flush, dense, compressed at 3-5 and 6-8, and the
+    verdict falls at step 9."""
     return multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), [3.0, 5.0], [1.0, 1.0], TRIAL_STEPS_RUN, 100,
                               step_s_by_rank, 2, timeout_s=240)
 
 
-TRIAL_STEPS_RUN = 9
+TRIAL_STEPS_RUN = 11
 
 
 @pytest.mark.multiprocess
@@ -115,11 +115,13 @@ def test_compression_the_steps_measure_no_faster_goes_dense_on_every_rank(tmp_pa
     choices = check_agreement_and_replicas(results)
     assert set(choices.values()) == {"dense"}, choices
     trial = results[0]["policy"]["trial"]
-    assert trial == results[1]["policy"]["trial"] == {"dense_step_s": 0.9, "compressed_step_s": 1.0, "kept": False}
+    # Rank 1's ratio, 1.0 / 0.9, is the slowest rank's: compression does not pay there.
+    assert trial == results[1]["policy"]["trial"] == {"dense_step_s": 0.9, "compressed_step_s": 1.0,
+                                                      "paired_ratio": pytest.approx(1.0 / 0.9), "kept": False}
     modes = results[0]["modes"]
-    assert all(mode == "dense" for step in modes[2:4] for mode in step.values()), modes  # the dense arm
-    assert any(mode == "allgather" for mode in modes[5].values()), modes  # the compressed arm
-    assert all(mode == "dense" for step in modes[7:] for mode in step.values()), modes
+    compressed = [i for i, step in enumerate(modes) if any(mode == "allgather" for mode in step.values())]
+    assert compressed == [2, 5, 8], modes  # the deciding step, then each cycle's compressed arm
+    assert all(mode == "dense" for step in modes[9:] for mode in step.values()), modes
 
 
 @pytest.mark.multiprocess
@@ -129,7 +131,8 @@ def test_compression_the_steps_measure_faster_is_kept(tmp_path):
     results = run_trial(tmp_path, steps)
     choices = check_agreement_and_replicas(results)
     assert all(choice in ("twobit:chunk", "topk:0.01") for choice in choices.values()), choices
-    assert results[0]["policy"]["trial"] == {"dense_step_s": 1.2, "compressed_step_s": 0.4, "kept": True}
+    assert results[0]["policy"]["trial"] == {"dense_step_s": 1.2, "compressed_step_s": 0.4,
+                                             "paired_ratio": pytest.approx(0.4 / 1.2), "kept": True}
     assert any(mode == "allgather" for mode in results[0]["modes"][-1].values()), results[0]["modes"]
 
 
@@ -148,6 +151,9 @@ def test_while_every_group_goes_dense_the_recipes_adam_stage_steps_aside(tmp_pat
         compressed = [i for i, m in enumerate(modes) if any(mode != "dense" for mode in m.values())]
         assert compressed, modes  # the trial's compressed arm ran, with the stage at work
         assert all(cleared[i] == 6 for i in compressed), (compressed, cleared)
+        # In the trial the stage steps aside for each timed dense step, after a flush step through it.
+        assert compressed == [2, 5, 8] and [suspended[i] for i in (3, 4, 5)] == [False, True, False], suspended
+        assert [cleared[i] for i in (3, 4)] == [6, 0], cleared
         # The first all-dense step after the verdict flushes the residuals through the stage; the
         # next step starts with it suspended, and from then on AdamW steps every parameter itself.
         verdict = compressed[-1] + 1
@@ -157,63 +163,71 @@ def test_while_every_group_goes_dense_the_recipes_adam_stage_steps_aside(tmp_pat
 
 
 class FakeClock:
-    """Step times for :class:`StepTrial` without waiting: ``seconds[arm]`` per step."""
+    """Step times for :class:`StepTrial` without waiting: ``seconds[arm]`` per step, or a function of the step."""
 
-    def __init__(self, seconds):
-        self.seconds = seconds
+    def __init__(self, seconds, drift=lambda step: 1.0):
+        self.seconds, self.drift, self.step = seconds, drift, 0
 
     def __call__(self, arm, measured):
-        return self.seconds[arm]
+        return self.seconds[arm] * self.drift(self.step - 1)  # the step that just closed
 
 
-def drive(trial, steps, compress_from, dense_s, compressed_s, gather=lambda values: values):
-    """Run ``trial`` through ``steps`` steps (compressing from ``compress_from`` unless forced dense);
-    returns the steps it forced dense and the step it judged at (``None``: never)."""
-    clock = FakeClock({"uncompressed": dense_s, "compressed": compressed_s})
-    forced, judged = [], None
+def drive(trial, steps, decide_at, dense_s, compressed_s, gather=lambda values: values, drift=lambda step: 1.0):
+    """Run ``trial`` through ``steps`` steps, a decision to compress taken at ``decide_at``; returns the
+    part each step played (``trial.arm``) and the step it judged at (``None``: never)."""
+    clock = FakeClock({"uncompressed": dense_s, "compressed": compressed_s}, drift)
+    arms, judged = [], None
     for step in range(steps):
+        clock.step = step
         trial.new_step(step, clock)
-        if step == compress_from:
+        if step == decide_at:
             trial.begin(step)
         if trial.due(step) and judged is None:
             judged = step
             trial.judge(gather)
-        compressing = step >= compress_from and not trial.forces_dense(step) and judged is None
-        forced += [step] if trial.forces_dense(step) else []
-        trial.note(compressing)
-    return forced, judged
+        arms.append(trial.arm(step))
+    return arms, judged
 
 
-def test_the_trial_uses_the_warm_up_dense_steps_when_there_are_two():
+def test_the_trial_takes_dense_and_compressed_steps_in_turn_after_a_flush():
     trial = StepTrial(3, 0.05)
-    forced, judged = drive(trial, 12, compress_from=4, dense_s=1.0, compressed_s=0.9)
-    # Steps 1-3 are dense (step 0 carries the set-up); 4 decides and runs cold; 5-7 are the arm.
-    assert forced == [] and judged == 8
-    assert trial.verdict == {"dense_step_s": 1.0, "compressed_step_s": 0.9, "kept": True}
+    arms, judged = drive(trial, 14, decide_at=2, dense_s=1.0, compressed_s=0.9)
+    # Step 2 decides and runs the kernels cold; then 3 cycles of flush, dense, compressed.
+    assert arms[:3] == [None] * 3 and arms[3:12] == ["flush", "dense", "compressed"] * 3 and judged == 12
+    assert trial.verdict == {"dense_step_s": 1.0, "compressed_step_s": 0.9, "paired_ratio": pytest.approx(0.9),
+                             "kept": True}
 
 
-def test_the_trial_takes_its_dense_arm_when_warm_up_left_too_few():
+def test_within_the_margin_is_dense():
     trial = StepTrial(3, 0.05)
-    forced, judged = drive(trial, 12, compress_from=1, dense_s=1.0, compressed_s=0.97)
-    assert forced == [1, 2, 3] and judged == 8  # 4 runs cold; 5-7 are the compressed arm
+    drive(trial, 14, decide_at=0, dense_s=1.0, compressed_s=0.97)
     assert trial.verdict["kept"] is False  # 3 % faster is within the 5 % margin: dense
 
 
-def test_a_trial_after_the_link_changed_does_not_reuse_older_dense_steps():
+def test_the_machines_drift_between_cycles_cancels_in_the_pairs():
+    # Compression is 10 % slower step for step, but the machine slows 40 % over the trial: dense steps
+    # taken first as a block, then compressed ones, would have found compression faster.
+    trial = StepTrial(4, 0.05)
+    drive(trial, 20, decide_at=0, dense_s=1.0, compressed_s=1.1, drift=lambda step: 1.4 if step < 7 else 1.0)
+    assert trial.verdict["paired_ratio"] == pytest.approx(1.1) and trial.verdict["kept"] is False
+
+
+def test_a_link_change_drops_the_running_trial():
     trial = StepTrial(2, 0.05)
-    for step in range(4):
-        trial.new_step(step)
-        trial.note(False)
-    trial.restart(4)
-    trial.new_step(4)
-    trial.begin(4)
-    assert trial.forces_dense(4) and trial.forces_dense(5) and not trial.forces_dense(6)
+    trial.new_step(0)
+    trial.begin(0)
+    assert [trial.forces_dense(s) for s in (1, 2, 3)] == [True, True, False]
+    assert [trial.suspends_stage(s) for s in (1, 2, 3)] == [False, True, False]
+    trial.restart(2)
+    assert trial.arm(2) is None and not trial.due(20)
+    trial.begin(2)  # decided again: a trial from scratch
+    assert trial.arm(3) == "flush" and not trial.due(8) and trial.due(9)
 
 
-def test_an_unmeasured_dense_arm_keeps_the_group_dense():
+def test_an_unmeasured_arm_keeps_the_group_dense():
     # No rank measured a valid dense step (the gather gives inf): faster than nothing is not measured faster.
     trial = StepTrial(2, 0.05)
-    drive(trial, 10, compress_from=3, dense_s=1.0, compressed_s=0.1, gather=lambda values: [math.inf, values[1]])
+    drive(trial, 10, decide_at=1, dense_s=1.0, compressed_s=0.1, gather=lambda values: [math.inf, values[1], math.inf])
     assert trial.verdict["kept"] is False
 
 
