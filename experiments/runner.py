@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import warnings
 from typing import List, Optional
 
@@ -174,18 +173,12 @@ class Run:
 
     def step(self, step: int, train_time: float) -> dict:
         """One timed optimizer step; its log record (``train_time_s`` includes it)."""
-        import torch
-
         from experiments import loop as loops
 
         batches = loops.micro_batches(self.workload, self.loop, self.rank, step, self.batch_size, self.device)
         tx_before = launch.lo_tx_bytes() if self.wire_bytes else None
-        started = time.perf_counter()
-        loss = loops.optimizer_step(self.model, self.workload, self.loop, self.optimizer, self.scheduler, batches,
-                                    step)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        step_time = time.perf_counter() - started
+        loss, step_time = loops.timed_optimizer_step(self.model, self.workload, self.loop, self.optimizer,
+                                                     self.scheduler, batches, step, self.device)
         tx_after = launch.lo_tx_bytes() if self.wire_bytes else None
         record = {"event": "step", "step": step, "loss": loss, "step_time_s": step_time,
                   "train_time_s": train_time + step_time, **self.step_fields(step), **self.telemetry.end_step()}
