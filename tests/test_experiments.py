@@ -93,6 +93,22 @@ def test_train_digits(tmp_path, method):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_exit_code_stress_jobs_run_on_the_runner_and_end_cleanly():
+    # Each job's ranks are the runner's run_rank with exit_codes.StressRun; the script's table is unchanged.
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.exit_codes", "--jobs", "1", "--steps", "6", "--recipes", "dense",
+         "topk_adamw", "--timeout-s", "120"],
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "dense job 1/1: exit codes [0, 0]" in result.stdout, result.stdout[-3000:]
+    assert "topk_adamw job 1/1: exit codes [0, 0]" in result.stdout, result.stdout[-3000:]
+    table = result.stdout.split("recipe        clean  aborts  other exit codes\n")[1].split()
+    assert table == ["dense", "1", "0", "-", "topk_adamw", "1", "0", "-"], result.stdout[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_compare_tiny_writes_results_and_plots(tmp_path):
     out = tmp_path / "results"
     result = subprocess.run(
