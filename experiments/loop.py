@@ -148,7 +148,8 @@ def optimizer_step(model, workload, loop: Loop, optimizer, scheduler, batches: l
         losses.append(float(loss.detach()))
     before_step(loop, model, optimizer)  # FSDP: clip_grad_norm_ on the DTensors, whose .grad is the average
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    # torch's default sets every .grad to None; Horovod's DistributedOptimizer takes no argument here.
+    optimizer.zero_grad()
     if scheduler is not None:
         scheduler.step()
     return sum(losses) / micro

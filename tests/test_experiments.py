@@ -108,6 +108,34 @@ def test_exit_code_stress_jobs_run_on_the_runner_and_end_cleanly():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.horovod
+@pytest.mark.slow
+def test_horovod_train_runs_on_the_runner_with_its_log_and_evaluation(tmp_path):
+    # HorovodRun: the runner's loop, evaluation and records under horovodrun; 2-bit with the threshold
+    # from a first gradient averaged over the ranks (a Horovod allreduce before the first step).
+    import multiprocess
+
+    log = tmp_path / "log.jsonl"
+    # One shell word: horovodrun reads "--log" after the command as an abbreviation of its own --log-* options.
+    command = (f"{sys.executable} -m experiments.horovod_train --compressor twobit --steps 4 --eval-every 2 "
+               f"--log {log}")
+    output = multiprocess.horovodrun_argv(["sh", "-c", command], 2)
+    assert "done: eval_loss" in output and output.count("ratio") == 4, output[-3000:]
+    by_event = {}
+    for record in map(json.loads, log.read_text().splitlines()):
+        by_event.setdefault(record["event"], []).append(record)
+    (config,) = by_event["config"]
+    assert config["world_size"] == 2 and config["method"].startswith("TwoBit")
+    steps = by_event["step"]
+    assert [s["step"] for s in steps] == list(range(4))
+    assert all(math.isfinite(s["loss"]) and s["step_time_s"] > 0 for s in steps)
+    assert all(s["bytes_sent"] < s["dense_bytes"] for s in steps)
+    assert [e["step"] for e in by_event["eval"]] == [1, 3] and 0 <= by_event["eval"][-1]["accuracy"] <= 1
+    (summary,) = by_event["summary"]
+    assert summary["accuracy"] == by_event["eval"][-1]["accuracy"] and summary["train_time_s"] > 0
+
+
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_compare_tiny_writes_results_and_plots(tmp_path):
     out = tmp_path / "results"
