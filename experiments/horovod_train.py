@@ -124,15 +124,15 @@ class HorovodRun(Run):
         return launch.rank_device(rank, args.threads, local_rank, cls.cuda), "horovod"
 
     @classmethod
-    def leave_group(cls) -> None:
+    def leave_group(cls, finished: bool) -> None:
+        """Wait for every rank where the run ``finished``; shut Horovod down."""
         import horovod.torch as hvd
 
-        hvd.shutdown()
-
-    def barrier(self) -> None:
-        import horovod.torch as hvd
-
-        hvd.barrier()
+        try:
+            if finished:
+                hvd.barrier()
+        finally:
+            hvd.shutdown()
 
     def build_workload(self):
         from experiments import loop as loops

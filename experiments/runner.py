@@ -13,7 +13,7 @@ Each script states where its runs differ by a small subclass: :class:`experiment
 convergence study's methods), ``experiments.fsdp_train.FsdpRun`` (every block under
 ``fully_shard``), ``experiments.exit_codes.StressRun`` (the clean-exit stress job's own model, data
 and optimizer) and ``experiments.horovod_train.HorovodRun`` (Horovod's ranks and exchange). The
-hooks: :meth:`Run.join_group`, :meth:`Run.leave_group`, :meth:`Run.barrier`, :meth:`Run.build_workload`,
+hooks: :meth:`Run.join_group`, :meth:`Run.leave_group`, :meth:`Run.build_workload`,
 :meth:`Run.build_optimizer`, :meth:`Run.wrap`, :meth:`Run.attach`, :meth:`Run.config`,
 :meth:`Run.step_fields`, :meth:`Run.after_step`, :meth:`Run.held_out_sums`, :meth:`Run.summarize`,
 and the flags ``cuda``, ``eval_at_start``, ``wire_bytes``, ``done_record``.
@@ -54,15 +54,16 @@ def run_rank(rank: int, world_size: int, run_class: type, args: argparse.Namespa
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     device, backend = run_class.join_group(rank, world_size, args, local_rank)
     log = open(args.log, "w") if (rank == 0 and args.log) else None
+    finished = False
     try:
         run = run_class(rank, world_size, device, args, log)
         run.emit({"event": "config", **run.config(backend)})
         run.train()
-        run.barrier()
+        finished = True
     finally:
         if log is not None:
             log.close()
-        run_class.leave_group()
+        run_class.leave_group(finished)
 
 
 def workload_and_loop(args: argparse.Namespace):
@@ -124,17 +125,16 @@ class Run:
         return launch.init_rank(rank, world_size, args.threads, args.timeout, local_rank, cls.cuda)
 
     @classmethod
-    def leave_group(cls) -> None:
-        """At the end, also after a failure: destroy the process group."""
+    def leave_group(cls, finished: bool) -> None:
+        """At the end, also after a failure: wait for every rank where the run ``finished``, then destroy
+        the process group."""
         import torch.distributed as dist
 
-        dist.destroy_process_group()
-
-    def barrier(self) -> None:
-        """After the run's last record: wait for every rank."""
-        import torch.distributed as dist
-
-        dist.barrier()
+        try:
+            if finished:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
     def build_workload(self):
         """``(workload, loop)``: :func:`workload_and_loop` of the run's arguments."""

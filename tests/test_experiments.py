@@ -40,9 +40,13 @@ def run_train(tmp_path, *args):
         capture_output=True, text=True, timeout=200, env=_env(), cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return events_of(log)
+
+
+def events_of(log: Path) -> dict:
+    """A JSON-lines log's records by their ``event``."""
     by_event = {}
-    for record in records:
+    for record in map(json.loads, log.read_text().splitlines()):
         by_event.setdefault(record["event"], []).append(record)
     return by_event
 
@@ -121,9 +125,7 @@ def test_horovod_train_runs_on_the_runner_with_its_log_and_evaluation(tmp_path):
                f"--log {log}")
     output = multiprocess.horovodrun_argv(["sh", "-c", command], 2)
     assert "done: eval_loss" in output and output.count("ratio") == 4, output[-3000:]
-    by_event = {}
-    for record in map(json.loads, log.read_text().splitlines()):
-        by_event.setdefault(record["event"], []).append(record)
+    by_event = events_of(log)
     (config,) = by_event["config"]
     assert config["world_size"] == 2 and config["method"].startswith("TwoBit")
     steps = by_event["step"]
