@@ -1,12 +1,13 @@
 """One rank of a training run: the per-rank loop of every training experiment.
 
 :func:`run_rank` is what :func:`experiments.launch.spawn` starts on each rank (or torchrun, through
-``experiments.train``): it joins the rank's network namespace, sets the threads and initialises the
-process group (:meth:`Run.join_group`: :func:`experiments.launch.init_rank`), builds a :class:`Run` and trains it. A
-:class:`Run` builds the workload and its loop (:mod:`experiments.suite` for a study's named
-workload, :mod:`experiments.workloads` for ``experiments.train``'s command line;
-:mod:`experiments.loop` for the optimizer, its learning rate and the step), wraps the model, attaches
-the method, then steps, evaluates and logs (rank 0, JSON lines).
+``experiments.train``; horovodrun, through ``experiments.horovod_train``): it joins the rank's
+network namespace, sets the threads and initialises the process group (:meth:`Run.join_group`:
+:func:`experiments.launch.init_rank`), builds a :class:`Run` and trains it. A :class:`Run` builds
+the workload and its loop (:mod:`experiments.suite` for a study's named workload,
+:mod:`experiments.workloads` for ``experiments.train``'s command line; :mod:`experiments.loop` for
+the optimizer, its learning rate and the step), wraps the model, attaches the method, then steps,
+evaluates and logs (rank 0, JSON lines).
 
 Each script states where its runs differ by a small subclass: :class:`experiments.train.TrainRun`
 (DDP, any method of the catalog, a progress bar), ``experiments.convergence_ddp.StudyRun`` (DDP, the
