@@ -13,12 +13,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 from experiments import launch
+from experiments import loop as loops
+from experiments.objectives import HeldOutClassifier
 
 MODES = ("eager", "compiled_module", "compiled_ddp")
 
@@ -45,25 +46,25 @@ def time_mode(rank: int, mode: str, args) -> list:
         model = DDP(torch.compile(net, backend=args.backend))
     else:
         model = torch.compile(DDP(net), backend=args.backend)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     total = args.warmup + args.steps
+    loop = loops.Loop("adamw", 1e-3, total, 0)  # a constant rate: no scheduler
+    optimizer = torch.optim.AdamW(model.parameters(), lr=loop.lr)
     gradcomp.register(model, args.spec, optimizer=optimizer, total_steps=total)
     gen = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(64, 512, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+    batches = [(torch.randn(64, 512, generator=gen), torch.randint(0, 10, (64,), generator=gen))]
     times = []
     for step in range(total):
         dist.barrier()
-        start = time.perf_counter()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        # The runner's timed step: forward (cross-entropy), backward, optimizer step, zero_grad.
+        _, seconds = loops.timed_optimizer_step(model, HeldOutClassifier, loop, optimizer, None, batches, step)
         if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     return times
 
 
 def rank_main(rank: int, world_size: int, args) -> None:
-    """One rank: every mode in turn (a timing loop of its own, not a training run); rank 0 prints."""
+    """One rank: every mode in turn (a benchmark, not a training run: it times the runner's step,
+    :func:`experiments.loop.timed_optimizer_step`, on one fixed batch); rank 0 prints."""
     launch.init_rank(rank, world_size, threads=args.threads, timeout=600, cuda=False)
     try:
         eager_median = None

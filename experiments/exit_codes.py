@@ -13,6 +13,10 @@ Usage (each job is two fresh Python processes; jobs run one after another)::
 
 Prints one line per job (recipe, exit codes, an abort message seen in stderr) and a table:
 jobs, clean exits, and the exit codes of the others. Not a test: it takes minutes per recipe.
+
+Each rank of a job is :func:`experiments.runner.run_rank` with :class:`StressRun`: the runner's loop
+on the stress job's own small model and random data (:class:`StressData`, what the counts were
+measured on), started by :func:`experiments.launch.run_commands` as a fresh interpreter.
 """
 from __future__ import annotations
 
@@ -21,52 +25,125 @@ import collections
 import subprocess
 import sys
 
+from experiments.runner import Run, run_rank
+
 RECIPES = ("dense", "topk_adamw", "twobit_sgdm", "auto", "two_phase")
 ABORT = "terminate called"
+HELD_OUT_SEED = 12345
 
 
-def _optimizer_and_state(recipe: str, ddp, model, steps: int, backend: str):
-    """The job's optimizer, with gradcomp registered on ``ddp`` as ``recipe`` says (``dense``: none)."""
-    import torch
+class StressData:
+    """The stress job's data and model: 32 random features, 10 random classes, an MLP of 32-256-256-10.
 
-    import gradcomp
+    A training batch is drawn from ``(rank, step)`` alone; the held-out set (for the runner's final
+    evaluation) is 256 samples of a fixed seed. The loss, the held-out sums and the metrics are
+    :class:`experiments.objectives.HeldOutClassifier`'s (imported in the rank: the launching process
+    never loads torch)."""
 
-    if recipe == "topk_adamw":  # the one-call recipe: frozen-variance Adam, a sparsity ramp
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gradcomp.register(ddp, "topk:0.01", optimizer=optimizer, total_steps=steps, backend=backend)
-        return optimizer
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    if recipe == "twobit_sgdm":
-        gradcomp.register(ddp, "twobit:chunk", optimizer=optimizer, total_steps=steps, backend=backend)
-    elif recipe == "auto":  # measures the link during the dense start, then decides per bucket
-        gradcomp.register(ddp, gradcomp.TopK(0.01), policy=gradcomp.Auto(), warmup_steps=10, backend=backend)
-    elif recipe == "two_phase":  # phase 1 is a blocking all-to-all inside the hook
-        gradcomp.register(ddp, gradcomp.TopK(0.05), exchange="two_phase", warmup_steps=2, backend=backend)
-    return optimizer
+    name = "stress"
+    default_batch_size = 32
 
+    def __init__(self):
+        import torch
 
-def _rank(rank: int, world_size: int, recipe: str, steps: int, backend: str, bucket_cap_mb: float) -> None:
-    """One rank of one job: train ``steps`` steps with ``recipe``, destroy the group, return. Its own small
-    loop, not the runner's: the model and the data of the stress job are what its counts were measured on."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+        generator = torch.Generator().manual_seed(HELD_OUT_SEED)
+        self.x_test, self.y_test = torch.randn(256, 32, generator=generator), torch.randint(0, 10, (256,),
+                                                                                            generator=generator)
 
-    from experiments import launch
+    @staticmethod
+    def build_model():
+        import torch
 
-    launch.init_rank(rank, world_size, threads=1, timeout=60, cuda=False)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
-                                torch.nn.Tanh(), torch.nn.Linear(256, 10))
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    optimizer = _optimizer_and_state(recipe, ddp, model, steps, backend)
-    for step in range(steps):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
+                                   torch.nn.Tanh(), torch.nn.Linear(256, 10))
+
+    @staticmethod
+    def batch(rank: int, step: int, batch_size: int):
+        """``(x [batch_size, 32] float32, y [batch_size] int64)`` of this rank's step."""
+        import torch
+
         generator = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(32, 32, generator=generator), torch.randint(0, 10, (32,), generator=generator)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-    dist.destroy_process_group()
+        return torch.randn(batch_size, 32, generator=generator), torch.randint(0, 10, (batch_size,),
+                                                                               generator=generator)
+
+    def loss(self, model, x, y):
+        from experiments.objectives import HeldOutClassifier
+
+        return HeldOutClassifier.loss(model, x, y)
+
+    def evaluate_sums(self, model, shard: int, shards: int, device):
+        from experiments.objectives import HeldOutClassifier
+
+        return HeldOutClassifier.evaluate_sums(self, model, shard, shards, device)
+
+    def metrics(self, sums):
+        from experiments.objectives import HeldOutClassifier
+
+        return HeldOutClassifier.metrics(sums)
+
+
+class StressRun(Run):
+    """One rank of one stress job on the runner's loop: :class:`StressData` under DDP with
+    ``--bucket-cap-mb`` buckets, the optimizer of ``--rank-of`` at a constant rate, gradcomp registered as
+    the recipe says (``dense``: none); Gloo on the CPU, no evaluation before the first step, no log."""
+
+    eval_at_start = False
+    wire_bytes = False
+
+    @classmethod
+    def join_group(cls, rank: int, world_size: int, args: argparse.Namespace, local_rank):
+        """The process group, one torch thread; Numba's and OpenMP's thread counts stay the environment's
+        (the counts were measured with Numba's default pool)."""
+        from experiments import launch
+
+        return launch.init_rank(rank, world_size, args.threads, args.timeout, local_rank, cls.cuda)
+
+    def build_workload(self):
+        from experiments import loop as loops
+
+        optimizer = "adamw" if self.args.rank_of == "topk_adamw" else "sgdm"
+        return StressData(), loops.Loop(optimizer, 1e-3 if optimizer == "adamw" else 0.05, self.args.steps, 0)
+
+    def build_optimizer(self):
+        """AdamW (lr 1e-3) for ``topk_adamw``, else SGD (lr 0.05, momentum 0.9); no scheduler."""
+        import torch
+
+        params = self.net.parameters()
+        if self.loop.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=self.loop.lr), None
+        return torch.optim.SGD(params, lr=self.loop.lr, momentum=self.loop.momentum), None
+
+    def wrap(self, net):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(net, bucket_cap_mb=self.args.bucket_cap_mb)
+
+    def attach(self):
+        """gradcomp on ``self.model`` as ``--rank-of`` says; the bytes each step handed over."""
+        import gradcomp
+        from experiments import methods
+
+        recipe, steps, backend, ddp = self.args.rank_of, self.args.steps, self.args.backend, self.model
+        if recipe == "dense":
+            dense_bytes = sum(p.numel() * p.element_size() for p in self.net.parameters())
+            return methods.attach_method(ddp, "dense", None, dense_bytes)
+        if recipe == "topk_adamw":  # the one-call recipe: frozen-variance Adam, a sparsity ramp
+            state = gradcomp.register(ddp, "topk:0.01", optimizer=self.optimizer, total_steps=steps, backend=backend)
+        elif recipe == "twobit_sgdm":
+            state = gradcomp.register(ddp, "twobit:chunk", optimizer=self.optimizer, total_steps=steps,
+                                      backend=backend)
+        elif recipe == "auto":  # measures the link during the dense start, then decides per bucket
+            state = gradcomp.register(ddp, gradcomp.TopK(0.01), policy=gradcomp.Auto(), warmup_steps=10,
+                                      backend=backend)
+        else:  # two_phase: phase 1 is a blocking all-to-all inside the hook
+            state = gradcomp.register(ddp, gradcomp.TopK(0.05), exchange="two_phase", warmup_steps=2, backend=backend)
+        return methods.StudyTelemetry(state=state)
+
+    def config(self, backend: str) -> dict:
+        return {"recipe": self.args.rank_of, "steps": self.args.steps, "backend": self.args.backend,
+                "bucket_cap_mb": self.args.bucket_cap_mb, "world_size": self.world_size,
+                "process_group_backend": backend}
 
 
 def run_job(recipe: str, steps: int, backend: str, bucket_cap_mb: float, timeout_s: float):
@@ -91,8 +168,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)  # internal: run one rank
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rank_of is not None:
-        _rank(args.rank, 2, args.rank_of, args.steps, args.backend, args.bucket_cap_mb)
+    if args.rank_of is not None:  # one rank of a job, on the runner's loop; no log, no evaluation between steps
+        run_rank(args.rank, 2, StressRun, argparse.Namespace(**vars(args), threads=1, timeout=60, log=None,
+                                                             eval_every=0))
         return
     table = {}
     for recipe in args.recipes:

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from experiments.objectives import NextTokenWindows, _rng
-from experiments.workloads import EVAL_SEED, prose_corpus
+from experiments.workloads import EVAL_SEED, decoder_logits, prose_corpus
 
 __all__ = ["GPT", "GPTConfig", "PromptGPT", "LOOP"]
 
@@ -89,11 +89,7 @@ class GPT(nn.Module):
                 nn.init.normal_(param, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.wte(tokens) + self.wpe(positions)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return decoder_logits(tokens, self.wte, self.wpe, self.h, self.ln_f, self.lm_head)
 
 
 class PromptGPT(NextTokenWindows):

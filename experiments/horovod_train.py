@@ -17,19 +17,24 @@ Methods (``--compressor``):
 =============  ===============================================================================
 
 ``--no-ef`` turns error feedback off for ``topk``/``twobit``. Rank 0 prints one line per
-step: the loss averaged over ranks, the bytes this rank handed to collectives, the bytes
-a dense float32 allreduce would have handed over, their ratio and the step time. The
-workloads (scikit-learn's digits, or a character LM on the standard library's source)
-need no download; see :mod:`experiments.workloads`.
+step: its loss, the bytes this rank handed to collectives, the bytes a dense float32 allreduce
+would have handed over, their ratio and the step time. The workloads (scikit-learn's digits, or a
+character LM on the standard library's source) need no download; see :mod:`experiments.workloads`.
+
+Each rank is :func:`experiments.runner.run_rank` with :class:`HorovodRun`: the runner's loop, step
+timing (without drawing the batch), held-out evaluation (``--eval-every``, and at the end) and log
+(``--log``, rank 0, JSON lines: ``config``, ``step``, ``eval``, then ``summary``), with Horovod's
+ranks and its distributed optimizer in place of a process group and DDP.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import time
+from typing import Optional
+
+from experiments.launch import set_thread_env
+from experiments.runner import Run, run_rank, timing_summary
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch/OpenMP/numba threads per rank")
     parser.add_argument("--backend", help="gradcomp kernel backend override (one of gradcomp.backends.BACKENDS)")
+    parser.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps (0: at the end)")
     parser.add_argument("--log", help="JSON-lines log written by rank 0")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -78,67 +84,97 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # Before torch is imported: one thread per rank unless asked otherwise.
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ.setdefault(name, str(args.threads))
+    set_thread_env(args.threads)  # before torch is imported (by Horovod)
     import horovod.torch as hvd
 
-    job = _Job(args)
-    log = open(args.log, "w") if (job.rank == 0 and args.log) else None
-    try:
-        job.log = log
-        job.announce()
-        total_sent, total_time = job.train()
-        job.finish(total_sent, total_time)
-    finally:
-        if log is not None:
-            log.close()
-    hvd.shutdown()
+    hvd.init()
+    run_rank(hvd.rank(), hvd.size(), HorovodRun, args, hvd.local_rank())
     return 0
 
 
-class _Job:
-    """One Horovod rank: the workload, its model, the optimizer wrapped for the method."""
+class HorovodTelemetry:
+    """Per step, ``bytes_sent`` (what this rank handed to Horovod's collectives) and ``dense_bytes`` (a
+    dense float32 allreduce's): fixed for Horovod's own path (``stock_bytes``), else the gradcomp
+    optimizer's ``stats()`` of its last step."""
 
-    def __init__(self, args):
+    def __init__(self, optimizer, dense_bytes: int, stock_bytes: Optional[int]):
+        self.optimizer, self.dense_bytes, self.stock_bytes = optimizer, dense_bytes, stock_bytes
+
+    def end_step(self) -> dict:
+        if self.stock_bytes is not None:
+            return {"bytes_sent": self.stock_bytes, "dense_bytes": self.dense_bytes}
+        last = self.optimizer.stats()["last_step"]
+        return {"bytes_sent": last["bytes_sent"], "dense_bytes": last["dense_bytes"]}
+
+
+class HorovodRun(Run):
+    """One Horovod rank on the runner's loop: the workload's model, its parameters broadcast from rank 0,
+    AdamW at a constant rate wrapped in the method's distributed optimizer; Horovod's collectives (the
+    rank already initialised by :func:`main`), the GPU ``local_rank`` where there is one."""
+
+    cuda = True
+    eval_at_start = False
+    done_record = False
+
+    @classmethod
+    def join_group(cls, rank: int, world_size: int, args: argparse.Namespace, local_rank):
+        """The threads and the device; Horovod's ranks were joined by ``hvd.init()``."""
+        from experiments import launch
+
+        return launch.rank_device(rank, args.threads, local_rank, cls.cuda), "horovod"
+
+    @classmethod
+    def leave_group(cls, finished: bool) -> None:
+        """Wait for every rank where the run ``finished``; shut Horovod down."""
         import horovod.torch as hvd
-        import torch
 
+        try:
+            if finished:
+                hvd.barrier()
+        finally:
+            hvd.shutdown()
+
+    def build_workload(self):
+        from experiments import loop as loops
         from experiments import workloads
 
-        torch.set_num_threads(args.threads)
-        hvd.init()
-        self.args, self.log = args, None
-        self.rank, self.world_size = hvd.rank(), hvd.size()
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", hvd.local_rank()) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(self.device)
-        self.workload = workloads.build_workload(args.workload, seed=args.seed, small=args.small)
-        self.batch_size = args.batch_size or self.workload.default_batch_size
-        self.model = self.workload.build_model().to(self.device)
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr or self.workload.default_lr,
-                                      weight_decay=0.0)
-        self.dense_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        self.optimizer, self.stock_bytes, self.method = self._wrap(optimizer)
+        args = self.args
+        workload = workloads.build_workload(args.workload, seed=args.seed, small=args.small)
+        return workload, loops.Loop("adamw", args.lr or workload.default_lr, args.steps, 0)
 
-    def batch(self, step: int):
-        x, y = self.workload.batch(self.rank, step, self.batch_size)
-        return x.to(self.device), y.to(self.device)
+    def build_optimizer(self):
+        """AdamW at the loop's rate, no weight decay, no scheduler (:meth:`attach` wraps it)."""
+        import torch
 
-    def _wrap(self, optimizer):
+        return torch.optim.AdamW(self.net.parameters(), lr=self.loop.lr, weight_decay=0.0), None
+
+    def wrap(self, net):
+        """``net`` itself, its parameters broadcast from rank 0: the distributed optimizer exchanges."""
+        import horovod.torch as hvd
+
+        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+        return net
+
+    def attach(self):
+        """Wrap ``self.optimizer`` in the method's distributed optimizer (replacing it); its telemetry."""
+        params = [p for p in self.net.parameters() if p.requires_grad]
+        self.dense_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.optimizer, stock_bytes, self.method = self._distributed_optimizer(self.optimizer)
+        self.total_sent = 0
+        return HorovodTelemetry(self.optimizer, self.dense_bytes, stock_bytes)
+
+    def _distributed_optimizer(self, optimizer):
         """``(the method's distributed optimizer, bytes per step of Horovod's own path or None, its name)``."""
         import horovod.torch as hvd
 
         from gradcomp.compressors import from_spec
         from gradcomp.hooks import horovod as gc_hvd
 
-        args, named = self.args, list(self.model.named_parameters())
+        args, named = self.args, list(self.net.named_parameters())
         if args.compressor in ("dense", "fp16"):
             compression = gc_hvd.Compression.fp16 if args.compressor == "fp16" else hvd.Compression.none
             wire = 2 if args.compressor == "fp16" else None
-            stock = sum(p.numel() * (wire or p.element_size()) for p in self.model.parameters() if p.requires_grad)
+            stock = sum(p.numel() * (wire or p.element_size()) for p in self.net.parameters() if p.requires_grad)
             return (hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=compression), stock,
                     args.compressor)
         if args.compressor == "topk":
@@ -162,71 +198,50 @@ class _Job:
         import horovod.torch as hvd
         import torch
 
-        x, y = self.batch(0)
-        self.workload.loss(self.model, x, y).backward()
-        grads = [p.grad.reshape(-1).double() for p in self.model.parameters() if p.grad is not None]
+        x, y = self.workload.batch(self.rank, 0, self.batch_size)
+        self.workload.loss(self.net, x.to(self.device), y.to(self.device)).backward()
+        grads = [p.grad.reshape(-1).double() for p in self.net.parameters() if p.grad is not None]
         local_rms = torch.cat(grads).pow(2).mean().sqrt().reshape(1)
         threshold = float(hvd.allreduce(local_rms, op=hvd.Average, name="gradcomp.threshold"))
-        self.model.zero_grad(set_to_none=True)
+        self.net.zero_grad(set_to_none=True)
         return threshold
 
-    def emit(self, record: dict) -> None:
-        if self.log is not None:
-            self.log.write(json.dumps(record) + "\n")
-            self.log.flush()
-
-    def announce(self) -> None:
+    def config(self, backend: str) -> dict:
+        """The config record; rank 0 also prints the run's one-line description."""
         if self.rank == 0:
-            params = sum(p.numel() for p in self.model.parameters())
+            params = sum(p.numel() for p in self.net.parameters())
             print(f"{self.workload.name}: {params:,} parameters, {self.world_size} ranks, method {self.method}, "
-                  f"batch {self.batch_size}/rank")
-        self.emit({"event": "config", **vars(self.args), "method": self.method, "world_size": self.world_size,
-                   "dense_bytes": self.dense_bytes})
+                  f"batch {self.batch_size}/rank", flush=True)
+        return {**vars(self.args), "method": self.method, "world_size": self.world_size,
+                "dense_bytes": self.dense_bytes, "process_group_backend": backend, "device": str(self.device),
+                "batch_size": self.batch_size, "lr": self.loop.lr}
 
-    def train(self):
-        """``args.steps`` steps, each logged; ``(bytes sent, seconds)`` in all."""
-        import horovod.torch as hvd
-        import torch
-
-        total_sent = total_time = 0.0
-        for step in range(self.args.steps):
-            started = time.perf_counter()
-            x, y = self.batch(step)
-            loss = self.workload.loss(self.model, x, y)
-            loss.backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            step_s = time.perf_counter() - started
-            mean_loss = float(hvd.allreduce(loss.detach().reshape(1).float(), op=hvd.Average, name="loss"))
-            if self.stock_bytes is not None:
-                sent, dense = self.stock_bytes, self.dense_bytes
-            else:
-                last = self.optimizer.stats()["last_step"]
-                sent, dense = last["bytes_sent"], last["dense_bytes"]
-            total_sent += sent
-            total_time += step_s
-            if self.rank == 0:
-                print(f"step {step:4d}  loss {mean_loss:.4f}  bytes_sent {sent:>10,}  dense_bytes {dense:>10,}  "
-                      f"ratio {dense / sent:6.1f}x  step {1000 * step_s:7.1f} ms", flush=True)
-            self.emit({"event": "step", "step": step, "loss": mean_loss, "bytes_sent": sent, "dense_bytes": dense,
-                       "step_time_s": step_s})
-        return total_sent, total_time
-
-    def finish(self, total_sent: float, total_time: float) -> None:
-        """The held-out metrics over every rank, printed and logged."""
-        import horovod.torch as hvd
-
-        steps = self.args.steps
-        sums = self.workload.evaluate_sums(self.model, self.rank, self.world_size, self.device)
-        metrics = self.workload.metrics(hvd.allreduce(sums, op=hvd.Sum, name="eval"))
+    def step(self, step: int, train_time: float) -> dict:
+        """The runner's step; rank 0 prints it."""
+        record = super().step(step, train_time)
+        self.total_sent += record["bytes_sent"]
         if self.rank == 0:
-            pretty = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-            print(f"done: {pretty}  bytes_sent/step {total_sent / steps:,.0f}  "
-                  f"dense/step {self.dense_bytes:,}  mean step {1000 * total_time / steps:.1f} ms")
-        self.emit({"event": "summary", **metrics, "bytes_sent_per_step": total_sent / steps,
-                   "dense_bytes": self.dense_bytes})
+            sent, dense = record["bytes_sent"], record["dense_bytes"]
+            print(f"step {step:4d}  loss {record['loss']:.4f}  bytes_sent {sent:>10,}  dense_bytes {dense:>10,}  "
+                  f"ratio {dense / sent:6.1f}x  step {1000 * record['step_time_s']:7.1f} ms", flush=True)
+        return record
+
+    def held_out_sums(self):
+        """The workload's held-out sums over every rank (Horovod's allreduce)."""
+        import horovod.torch as hvd
+
+        sums = self.workload.evaluate_sums(self.net, self.rank, self.world_size, self.device)
+        return hvd.allreduce(sums, op=hvd.Sum, name="eval").cpu()
+
+    def summarize(self, final: dict, train_time: float, step_times: list, losses: list) -> None:
+        """The summary record; rank 0 prints the final metrics, the bytes and the mean step time."""
+        steps = self.args.steps
+        if self.rank == 0:
+            pretty = "  ".join(f"{k} {v:.4f}" for k, v in final.items())
+            print(f"done: {pretty}  bytes_sent/step {self.total_sent / steps:,.0f}  "
+                  f"dense/step {self.dense_bytes:,}  mean step {1000 * train_time / steps:.1f} ms", flush=True)
+        self.emit({"event": "summary", **final, "bytes_sent_per_step": self.total_sent / steps,
+                   "dense_bytes": self.dense_bytes, **timing_summary(train_time, step_times, losses)})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ The one launcher of the experiments; every script that starts ranks builds on it
   fails stops the others. :func:`spawn` runs the ranks of one run's command line with it.
 * :func:`run_commands`: one command line per rank (ranks that must be fresh interpreters, or start
   inside their own network namespace), bounded in time, each rank's exit status.
-* :func:`init_rank`: in a rank, its threads, its device and the process group.
+* :func:`init_rank`: in a rank, its threads, its device and the process group; :func:`rank_device`
+  the threads and the device alone.
 * :func:`run_bounded`: a command in its own process group, stopped (the whole group) at its timeout.
 * :func:`free_port`: a rendezvous port on the loopback.
 * :func:`set_thread_env`: the thread counts of torch, OpenMP and Numba, before they are imported.
@@ -29,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from experiments.catalog import METHODS
 from experiments.methods import AUTO_THRESHOLD_SCALE
 
-__all__ = ["parse_args", "spawn", "spawn_ranks", "run_commands", "init_rank", "run_bounded", "free_port",
+__all__ = ["parse_args", "spawn", "spawn_ranks", "run_commands", "init_rank", "rank_device", "run_bounded", "free_port",
            "set_thread_env", "lo_tx_bytes", "NETNS_ENV"]
 
 NETNS_ENV = "GRADCOMP_NETNS"  # set by experiments.netem: the name of the private namespace we run in
@@ -236,21 +237,30 @@ def init_rank(rank: int, world_size: int, threads: int, timeout: float, local_ra
     (:func:`set_thread_env` before their import)."""
     import datetime
 
-    import torch
     import torch.distributed as dist
+
+    device = rank_device(rank, threads, local_rank, cuda)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+    return device, backend
+
+
+def rank_device(rank: int, threads: int, local_rank: Optional[int] = None, cuda: bool = True):
+    """In a rank: torch's thread counts (``threads``, one inter-op thread) and the rank's device, the
+    current one from now on: the GPU ``local_rank`` (default ``rank``) where ``cuda`` and there is one,
+    else the CPU. Used by :func:`init_rank` and by ranks whose collectives are not torch's (Horovod)."""
+    import torch
 
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass
-    cuda = cuda and torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    device = torch.device("cuda", rank if local_rank is None else local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
-    return device, backend
+    if not (cuda and torch.cuda.is_available()):
+        return torch.device("cpu")
+    device = torch.device("cuda", rank if local_rank is None else local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def _stop(processes) -> None:

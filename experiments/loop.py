@@ -5,18 +5,22 @@ so that every experiment (the real DDP ranks and the in-process simulation) runs
 with the patterns real scripts use: a learning rate set by hand in ``param_groups`` or by an LR
 scheduler, two param groups with weight decay on matrices only, gradient accumulation,
 ``clip_grad_norm_``. :func:`loop_for` gives each workload its loop; :func:`optimizer_step` is one
-step of it on a DDP or FSDP rank, over the micro-batches of :func:`micro_batches`.
+step of it on a DDP or FSDP rank, over the micro-batches of :func:`micro_batches`;
+:func:`timed_optimizer_step` is that step with the wall clock around it (what the runner and the
+step-time benchmarks time).
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["Loop", "loop_for", "build_optimizer", "lr_at", "before_step", "micro_batches", "optimizer_step"]
+__all__ = ["Loop", "loop_for", "build_optimizer", "lr_at", "before_step", "micro_batches", "optimizer_step",
+           "timed_optimizer_step"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,20 @@ def optimizer_step(model, workload, loop: Loop, optimizer, scheduler, batches: l
         losses.append(float(loss.detach()))
     before_step(loop, model, optimizer)  # FSDP: clip_grad_norm_ on the DTensors, whose .grad is the average
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    # torch's default sets every .grad to None; Horovod's DistributedOptimizer takes no argument here.
+    optimizer.zero_grad()
     if scheduler is not None:
         scheduler.step()
     return sum(losses) / micro
+
+
+def timed_optimizer_step(model, workload, loop: Loop, optimizer, scheduler, batches: list, step: int,
+                         device=None) -> Tuple[float, float]:
+    """:func:`optimizer_step` timed: ``(mean loss, seconds)``. The clock starts after the batches were
+    drawn and, on a CUDA ``device``, stops after the device is synchronised. Mutates what
+    :func:`optimizer_step` mutates."""
+    started = time.perf_counter()
+    loss = optimizer_step(model, workload, loop, optimizer, scheduler, batches, step)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return loss, time.perf_counter() - started

@@ -1,17 +1,21 @@
 """One rank of a training run: the per-rank loop of every training experiment.
 
 :func:`run_rank` is what :func:`experiments.launch.spawn` starts on each rank (or torchrun, through
-``experiments.train``): it joins the rank's network namespace, sets the threads, initialises the
-process group (:func:`experiments.launch.init_rank`), builds a :class:`Run` and trains it. A
-:class:`Run` builds the workload and its loop (:mod:`experiments.suite` for a study's named
-workload, :mod:`experiments.workloads` for ``experiments.train``'s command line;
-:mod:`experiments.loop` for the optimizer, its learning rate and the step), wraps the model, attaches
-the method, then steps, evaluates and logs (rank 0, JSON lines).
+``experiments.train``; horovodrun, through ``experiments.horovod_train``): it joins the rank's
+network namespace, sets the threads and initialises the process group (:meth:`Run.join_group`:
+:func:`experiments.launch.init_rank`), builds a :class:`Run` and trains it. A :class:`Run` builds
+the workload and its loop (:mod:`experiments.suite` for a study's named workload,
+:mod:`experiments.workloads` for ``experiments.train``'s command line; :mod:`experiments.loop` for
+the optimizer, its learning rate and the step), wraps the model, attaches the method, then steps,
+evaluates and logs (rank 0, JSON lines).
 
 Each script states where its runs differ by a small subclass: :class:`experiments.train.TrainRun`
 (DDP, any method of the catalog, a progress bar), ``experiments.convergence_ddp.StudyRun`` (DDP, the
-convergence study's methods) and ``experiments.fsdp_train.FsdpRun`` (every block under
-``fully_shard``). The hooks: :meth:`Run.wrap`, :meth:`Run.attach`, :meth:`Run.config`,
+convergence study's methods), ``experiments.fsdp_train.FsdpRun`` (every block under
+``fully_shard``), ``experiments.exit_codes.StressRun`` (the clean-exit stress job's own model, data
+and optimizer) and ``experiments.horovod_train.HorovodRun`` (Horovod's ranks and exchange). The
+hooks: :meth:`Run.join_group`, :meth:`Run.leave_group`, :meth:`Run.build_workload`,
+:meth:`Run.build_optimizer`, :meth:`Run.wrap`, :meth:`Run.attach`, :meth:`Run.config`,
 :meth:`Run.step_fields`, :meth:`Run.after_step`, :meth:`Run.held_out_sums`, :meth:`Run.summarize`,
 and the flags ``cuda``, ``eval_at_start``, ``wire_bytes``, ``done_record``.
 
@@ -29,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import warnings
 from typing import List, Optional
 
@@ -41,28 +44,27 @@ __all__ = ["run_rank", "Run", "timing_summary"]
 def run_rank(rank: int, world_size: int, run_class: type, args: argparse.Namespace,
              local_rank: Optional[int] = None) -> None:
     """Train ``run_class(rank, world_size, device, args, log)`` on this rank; rank 0 logs to ``args.log``.
-    ``args`` carries at least ``threads``, ``timeout`` (seconds) and ``log``. The process group is
-    set up from the environment (``MASTER_ADDR``/``MASTER_PORT``) and destroyed at the end."""
+    ``args`` carries at least ``threads``, ``timeout`` (seconds), ``log`` and ``eval_every``. The rank
+    joins its process group by ``run_class.join_group`` (by default from ``MASTER_ADDR``/``MASTER_PORT``)
+    and leaves it by ``run_class.leave_group``, also when the run fails."""
     from experiments import netem
 
     netem.join_rank_namespace(rank)  # a full-duplex emulated link: this rank's own namespace (else nothing)
-    launch.set_thread_env(args.threads)
-    import torch.distributed as dist
-
     # A 1-channel conv's weight grad may get strides that differ from its bucket view;
     # DDP copies it correctly and warns once per rank, which is only noise here.
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-    device, backend = launch.init_rank(rank, world_size, args.threads, args.timeout, local_rank, run_class.cuda)
+    device, backend = run_class.join_group(rank, world_size, args, local_rank)
     log = open(args.log, "w") if (rank == 0 and args.log) else None
+    finished = False
     try:
         run = run_class(rank, world_size, device, args, log)
         run.emit({"event": "config", **run.config(backend)})
         run.train()
-        dist.barrier()
+        finished = True
     finally:
         if log is not None:
             log.close()
-        dist.destroy_process_group()
+        run_class.leave_group(finished)
 
 
 def workload_and_loop(args: argparse.Namespace):
@@ -106,18 +108,46 @@ class Run:
     done_record = True  # a final {"event": "done"}
 
     def __init__(self, rank: int, world_size: int, device, args: argparse.Namespace, log):
-        from experiments import loop as loops
-
         self.rank, self.world_size, self.device, self.args, self.log = rank, world_size, device, args, log
-        self.workload, self.loop = workload_and_loop(args)
+        self.workload, self.loop = self.build_workload()
         self.batch_size = getattr(args, "batch_size", None) or self.workload.default_batch_size
         self.eval_every = args.eval_every
         self.net = self.workload.build_model().to(device)
         self.model = self.wrap(self.net)
-        self.optimizer, self.scheduler = loops.build_optimizer(self.loop, self.model)
+        self.optimizer, self.scheduler = self.build_optimizer()
         self.telemetry = self.attach()
 
     # -- the hooks --------------------------------------------------------------------------------
+    @classmethod
+    def join_group(cls, rank: int, world_size: int, args: argparse.Namespace, local_rank: Optional[int]):
+        """Before the run is built: the rank's thread counts (``args.threads``), its device and the
+        process group (:func:`experiments.launch.init_rank`); ``(device, backend name)``."""
+        launch.set_thread_env(args.threads)
+        return launch.init_rank(rank, world_size, args.threads, args.timeout, local_rank, cls.cuda)
+
+    @classmethod
+    def leave_group(cls, finished: bool) -> None:
+        """At the end, also after a failure: wait for every rank where the run ``finished``, then destroy
+        the process group."""
+        import torch.distributed as dist
+
+        try:
+            if finished:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+    def build_workload(self):
+        """``(workload, loop)``: :func:`workload_and_loop` of the run's arguments."""
+        return workload_and_loop(self.args)
+
+    def build_optimizer(self):
+        """``(optimizer, scheduler or None)`` of ``self.model``: the loop's
+        (:func:`experiments.loop.build_optimizer`)."""
+        from experiments import loop as loops
+
+        return loops.build_optimizer(self.loop, self.model)
+
     def wrap(self, net):
         """The model the loop trains: ``net`` under DDP (its default buckets)."""
         from torch.nn.parallel import DistributedDataParallel
@@ -174,18 +204,12 @@ class Run:
 
     def step(self, step: int, train_time: float) -> dict:
         """One timed optimizer step; its log record (``train_time_s`` includes it)."""
-        import torch
-
         from experiments import loop as loops
 
         batches = loops.micro_batches(self.workload, self.loop, self.rank, step, self.batch_size, self.device)
         tx_before = launch.lo_tx_bytes() if self.wire_bytes else None
-        started = time.perf_counter()
-        loss = loops.optimizer_step(self.model, self.workload, self.loop, self.optimizer, self.scheduler, batches,
-                                    step)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        step_time = time.perf_counter() - started
+        loss, step_time = loops.timed_optimizer_step(self.model, self.workload, self.loop, self.optimizer,
+                                                     self.scheduler, batches, step, self.device)
         tx_after = launch.lo_tx_bytes() if self.wire_bytes else None
         record = {"event": "step", "step": step, "loss": loss, "step_time_s": step_time,
                   "train_time_s": train_time + step_time, **self.step_fields(step), **self.telemetry.end_step()}

@@ -31,7 +31,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
 __all__ = ["main", "summarize"]
@@ -108,9 +107,7 @@ def _step(replica, workload, loop, rank: int, step: int) -> float:
 
     ddp, optimizer, scheduler, _ = replica
     batches = loops.micro_batches(workload, loop, rank, step, workload.default_batch_size)
-    started = time.perf_counter()
-    loops.optimizer_step(ddp, workload, loop, optimizer, scheduler, batches, step)
-    return time.perf_counter() - started
+    return loops.timed_optimizer_step(ddp, workload, loop, optimizer, scheduler, batches, step)[1]
 
 
 def _interleaved(replicas, keys: Dict[str, tuple], counter, workload, loop, rank: int,
@@ -128,12 +125,15 @@ def _interleaved(replicas, keys: Dict[str, tuple], counter, workload, loop, rank
     return seconds
 
 
-def run_rank(rank: int, world_size: int, args) -> None:
-    """Rank ``rank`` of the benchmark (the process group from ``MASTER_ADDR``/``MASTER_PORT``).
+def bench_rank(rank: int, world_size: int, args) -> None:
+    """Rank ``rank`` of the benchmark (the process group from ``MASTER_ADDR``/``MASTER_PORT``); rank 0
+    writes ``rounds.json`` (every rank's step times, per round) and ``policy_choices.json`` under ``args.out``.
 
     Not a training run (:mod:`experiments.runner`): one replica per method, stepped in interleaved
-    rounds with the link changed between them; it shares the runner's step
-    (:func:`experiments.loop.optimizer_step`), the methods' attachment and the rank's set-up."""
+    rounds with the link changed between them; it shares the runner's timed step
+    (:func:`experiments.loop.timed_optimizer_step`), the methods' attachment
+    (:func:`experiments.methods.attach_study_method`) and the rank's set-up
+    (:func:`experiments.launch.init_rank`)."""
     import warnings
 
     import torch.distributed as dist
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.rank is not None:
-        run_rank(args.rank, 2, args)
+        bench_rank(args.rank, 2, args)
         return 0
     from experiments import launch, netem
 

@@ -110,6 +110,19 @@ def stdlib_corpus() -> Tuple[np.ndarray, np.ndarray, Dict[str, object]]:
     return train, held, info
 
 
+def decoder_logits(tokens: torch.Tensor, token_embedding: nn.Embedding, position_embedding: nn.Embedding,
+                   blocks: nn.ModuleList, final_norm: nn.Module, head: nn.Linear) -> torch.Tensor:
+    """The forward of a GPT-style decoder: ``[B, T]`` int64 tokens -> ``[B, T, vocab]`` logits (the
+    token and position embeddings summed, the blocks in turn, the final norm, the output head).
+    Shared by :class:`CharTransformer` and :class:`experiments.gpt.GPT`, which name their parts apart
+    (their checkpoints' keys)."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    x = token_embedding(tokens) + position_embedding(positions)
+    for block in blocks:
+        x = block(x)
+    return head(final_norm(x))
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP."""
 
@@ -161,11 +174,7 @@ class CharTransformer(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok(tokens) + self.pos(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+        return decoder_logits(tokens, self.tok, self.pos, self.blocks, self.ln_f, self.head)
 
 
 class CharLM(NextTokenWindows):

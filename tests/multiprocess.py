@@ -122,12 +122,16 @@ def horovodrun(script: Path, args: List[str], world_size: int = 2, timeout_s: fl
     combined output; raises ``AssertionError`` with its tail if the job fails or runs past
     ``timeout_s`` (then horovodrun and every rank it started are killed).
     """
+    return horovodrun_argv([sys.executable, str(script), *args], world_size, timeout_s)
+
+
+def horovodrun_argv(argv: List[str], world_size: int = 2, timeout_s: float = 300) -> str:
+    """:func:`horovodrun` of any command line ``argv`` (each rank runs it, from the repository root)."""
     beside_python = Path(sys.executable).parent / "horovodrun"
     launcher = str(beside_python) if beside_python.exists() else "horovodrun"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), str(REPO), env.get("PYTHONPATH")]))
-    command = [launcher, "-np", str(world_size), "--gloo", "-H", f"localhost:{world_size}",
-               sys.executable, str(script), *args]  # fmt: skip
+    command = [launcher, "-np", str(world_size), "--gloo", "-H", f"localhost:{world_size}", *argv]
     # A session of its own, so that a timeout can end horovodrun and every rank it started.
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip

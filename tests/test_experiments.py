@@ -40,9 +40,13 @@ def run_train(tmp_path, *args):
         capture_output=True, text=True, timeout=200, env=_env(), cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return events_of(log)
+
+
+def events_of(log: Path) -> dict:
+    """A JSON-lines log's records by their ``event``."""
     by_event = {}
-    for record in records:
+    for record in map(json.loads, log.read_text().splitlines()):
         by_event.setdefault(record["event"], []).append(record)
     return by_event
 
@@ -89,6 +93,48 @@ def test_train_digits(tmp_path, method):
     assert 0.0 <= final["accuracy"] <= 1.0 and math.isfinite(final["eval_loss"])
     if method == "twobit":  # the recipe's 2-bit scale is per parameter and step: no threshold is chosen
         assert "threshold" not in events and events["summary"][0]["twobit_threshold"] == "rms"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_exit_code_stress_jobs_run_on_the_runner_and_end_cleanly():
+    # Each job's ranks are the runner's run_rank with exit_codes.StressRun; the script's table is unchanged.
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.exit_codes", "--jobs", "1", "--steps", "6", "--recipes", "dense",
+         "topk_adamw", "--timeout-s", "120"],
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "dense job 1/1: exit codes [0, 0]" in result.stdout, result.stdout[-3000:]
+    assert "topk_adamw job 1/1: exit codes [0, 0]" in result.stdout, result.stdout[-3000:]
+    table = result.stdout.split("recipe        clean  aborts  other exit codes\n")[1].split()
+    assert table == ["dense", "1", "0", "-", "topk_adamw", "1", "0", "-"], result.stdout[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+@pytest.mark.slow
+def test_horovod_train_runs_on_the_runner_with_its_log_and_evaluation(tmp_path):
+    # HorovodRun: the runner's loop, evaluation and records under horovodrun; 2-bit with the threshold
+    # from a first gradient averaged over the ranks (a Horovod allreduce before the first step).
+    import multiprocess
+
+    log = tmp_path / "log.jsonl"
+    # One shell word: horovodrun reads "--log" after the command as an abbreviation of its own --log-* options.
+    command = (f"{sys.executable} -m experiments.horovod_train --compressor twobit --steps 4 --eval-every 2 "
+               f"--log {log}")
+    output = multiprocess.horovodrun_argv(["sh", "-c", command], 2)
+    assert "done: eval_loss" in output and output.count("ratio") == 4, output[-3000:]
+    by_event = events_of(log)
+    (config,) = by_event["config"]
+    assert config["world_size"] == 2 and config["method"].startswith("TwoBit")
+    steps = by_event["step"]
+    assert [s["step"] for s in steps] == list(range(4))
+    assert all(math.isfinite(s["loss"]) and s["step_time_s"] > 0 for s in steps)
+    assert all(s["bytes_sent"] < s["dense_bytes"] for s in steps)
+    assert [e["step"] for e in by_event["eval"]] == [1, 3] and 0 <= by_event["eval"][-1]["accuracy"] <= 1
+    (summary,) = by_event["summary"]
+    assert summary["accuracy"] == by_event["eval"][-1]["accuracy"] and summary["train_time_s"] > 0
 
 
 @pytest.mark.multiprocess
