@@ -47,7 +47,12 @@ def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps, r
     hook = (drifting_hook(rank) if link_s_by_rank == "drift"
             else link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank))
     state.engine.policy = Auto(measurement_hook=hook, recheck_every=recheck_every, trial_steps=trial_steps)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    return train(model, torch.optim.SGD(model.parameters(), lr=0.05), state, rank, steps)
+
+
+def train(model, optimizer, state, rank, steps, after_step=lambda: None):
+    """``steps`` steps on rank ``rank``'s own data; the parameters, the policy's stats and each step's
+    exchange per group (``after_step`` runs after each step)."""
     modes = []
     for step in range(steps):
         generator = torch.Generator().manual_seed(1000 * rank + step)
@@ -56,10 +61,10 @@ def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps, r
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
-        groups = state.stats()["last_step"]["groups"]
-        modes.append({g: s["mode"] for g, s in groups.items()})
-    stats = state.stats()
-    return {"params": [p.detach().clone() for p in model.parameters()], "policy": stats["policy"], "modes": modes}
+        modes.append({g: s["mode"] for g, s in state.stats()["last_step"]["groups"].items()})
+        after_step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "policy": state.stats()["policy"],
+            "modes": modes}
 
 
 def auto_recipe_worker(rank, world_size, step_s_by_rank, steps, total_steps):
@@ -77,18 +82,9 @@ def auto_recipe_worker(rank, world_size, step_s_by_rank, steps, total_steps):
     stage = state.engine.transform
     cleared = []  # read after the stage's own step pre-hook, registered before this one
     optimizer.register_step_pre_hook(lambda *_: cleared.append(len(stage._cleared)))
-    modes, suspended = [], []
-    for step in range(steps):
-        generator = torch.Generator().manual_seed(1000 * rank + step)
-        x = torch.randn(16, 64, generator=generator)
-        y = torch.randint(0, 10, (16,), generator=generator)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        modes.append({g: s["mode"] for g, s in state.stats()["last_step"]["groups"].items()})
-        suspended.append(stage.suspended)
-    return {"params": [p.detach().clone() for p in model.parameters()], "policy": state.stats()["policy"],
-            "modes": modes, "suspended": suspended, "cleared": cleared,
+    suspended = []
+    result = train(model, optimizer, state, rank, steps, after_step=lambda: suspended.append(stage.suspended))
+    return {**result, "suspended": suspended, "cleared": cleared,
             "frozen_denoms": sum("frozen_denom" in optimizer.state[p] for p in model.parameters())}
 
 
