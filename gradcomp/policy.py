@@ -167,12 +167,15 @@ class Auto:
         the stage's units first (a trial's flush step, or the step the verdict went dense)."""
         if stage is None or not callable(getattr(stage, "suspend", None)):
             return
-        dense = ((bool(self._chosen) and all(choice is None for choice in self._chosen.values()))
-                 or self._trial.suspends_stage(self._step_seen))  # the trial's timed dense arm
+        dense = self._all_dense() or self._trial.suspends_stage(self._step_seen)  # or the trial's timed dense arm
         if dense and not stage.suspended:
             stage.suspend()
         elif not dense and stage.suspended:
             stage.resume()
+
+    def _all_dense(self) -> bool:
+        """Whether every group's standing choice is dense (``False`` while nothing is decided)."""
+        return bool(self._chosen) and all(choice is None for choice in self._chosen.values())
 
     def _between_steps(self, engine) -> None:
         """The checks due at a step's first group (collectives at the same step on every rank)."""
@@ -185,6 +188,7 @@ class Auto:
             self._measured_dense = True
             self._chosen.clear()
             self.decisions.clear()
+            self._ratios.clear()  # they measured the decisions just dropped
 
     def finished(self, handle) -> None:
         """Called by ``Engine.finish`` first thing, when ``handle``'s collective has completed."""
@@ -344,12 +348,17 @@ class Auto:
 
     def _recheck(self, engine) -> None:
         """Share how measured exchange times compare with the predictions; rescale the link and
-        decide every group again when they differ by more than ``link_margin``."""
+        decide every group again when they differ by more than ``link_margin`` (while every group is
+        dense, only when the link got slower)."""
         self._last_check = engine.step
         local = statistics.median(self._ratios) if self._ratios else 1.0
         self._ratios.clear()
         ratio = _fastest(self._gather(engine, [local]))[0]  # the least-waiting rank, as for the link
         if not math.isfinite(ratio) or ratio <= 0 or 1 / (1 + self.link_margin) <= ratio <= 1 + self.link_margin:
+            return
+        if ratio < 1 and self._all_dense():
+            # Every group is dense, and a faster link only makes dense better: deciding again would buy
+            # nothing but another trial of slower steps (on a noisy CPU the ratio swings either way).
             return
         logger.info("gradcomp.Auto: exchanges take %.2fx the predicted time; deciding again", ratio)
         self.link = costmodel.Link(self.link.latency_s * ratio, self.link.bandwidth / ratio)

@@ -15,13 +15,16 @@ def make_model(seed=0):
                                torch.nn.ReLU(), torch.nn.Linear(128, 10))
 
 
-def link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank=None):
+def link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank=None, exchange_s=None):
     """A measurement hook that gives each rank its own (injected) link time and scaled kernel times;
-    with ``step_s_by_rank`` (``[{"uncompressed": s, "compressed": s}]`` per rank) its whole steps' times too."""
+    with ``step_s_by_rank`` (``[{"uncompressed": s, "compressed": s}]`` per rank) its whole steps' times too,
+    with ``exchange_s`` every exchange's time after the decision."""
 
     def hook(kind, group, seconds):
         if kind == "link":
             return link_s_by_rank[rank]
+        if kind == "exchange" and exchange_s is not None:
+            return exchange_s
         if kind == "step" and step_s_by_rank is not None:
             return step_s_by_rank[rank][group]
         return seconds * kernel_scale_by_rank[rank]
@@ -39,13 +42,13 @@ def drifting_hook(rank):
 
 
 def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps, recheck_every=100,
-                step_s_by_rank=None, trial_steps=8):
+                step_s_by_rank=None, trial_steps=8, exchange_s=None):
     """Train ``steps`` steps with Auto; return the parameters, the policy's stats and choices per step.
     ``link_s_by_rank`` ``"drift"``: :func:`drifting_hook`."""
     model = DDP(make_model(), bucket_cap_mb=0.05)
     state = gc_ddp.register(model, gradcomp.TopK(0.01), warmup_steps=WARMUP)
     hook = (drifting_hook(rank) if link_s_by_rank == "drift"
-            else link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank))
+            else link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank, exchange_s))
     state.engine.policy = Auto(measurement_hook=hook, recheck_every=recheck_every, trial_steps=trial_steps)
     return train(model, torch.optim.SGD(model.parameters(), lr=0.05), state, rank, steps)
 

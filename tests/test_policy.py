@@ -126,6 +126,22 @@ def test_compression_the_steps_measure_no_faster_goes_dense_on_every_rank(tmp_pa
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_after_a_dense_verdict_a_faster_link_decides_nothing_again(tmp_path):
+    # Compression measured slower sends every group dense at step 9. The exchanges then take half the
+    # predicted time (the link looks twice as fast, still slow enough for the model to predict
+    # compression), and the check at step 10 sees it: dense stays dense, with no second trial of
+    # slower steps (which would compress at steps 10, 13 and 16).
+    steps = [{"uncompressed": 0.5, "compressed": 0.6}, {"uncompressed": 0.5, "compressed": 0.6}]
+    results = multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), [3.0, 5.0], [1.0, 1.0], 20, 8,
+                                 steps, 2, 1.5, timeout_s=240)
+    choices = check_agreement_and_replicas(results)
+    assert set(choices.values()) == {"dense"}, choices
+    compressed = [i for i, step in enumerate(results[0]["modes"]) if any(m == "allgather" for m in step.values())]
+    assert compressed == [2, 5, 8], results[0]["modes"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_compression_the_steps_measure_faster_is_kept(tmp_path):
     steps = [{"uncompressed": 1.0, "compressed": 0.3}, {"uncompressed": 1.2, "compressed": 0.4}]
     results = run_trial(tmp_path, steps)
