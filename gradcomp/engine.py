@@ -47,7 +47,7 @@ Extension slots (filled by :mod:`gradcomp.schedule` and :mod:`gradcomp.optim`):
   compressor, numel)``, ``dense(keys, numels, g) -> g'`` (all ``g`` float32 ``[n]``), optionally
   ``after_average(keys, numels, average, dense)`` (maps the group's average, in place, back to
   gradient units before the commit: ``.grad`` holds the average gradient), ``commit(keys,
-  accept)``, ``state_dict()``, ``load_state_dict(d)``. Default ``None``.
+  accept)``, ``state_dict()``, ``load_state_dict(d)``, ``suspended`` (true: no commit). Default ``None``.
 """
 from __future__ import annotations
 
@@ -338,8 +338,8 @@ class Engine:
         if after is not None:
             after(handle.keys, handle.numels, average, exchange.sends_gradient)
         feedback = not exchange.sends_gradient and handle.compressor.uses_error_feedback and self.error_feedback
-        if not feedback and self.transform is None:
-            return
+        if not feedback and (self.transform is None or getattr(self.transform, "suspended", False)):
+            return  # nothing to commit: no finite check
         accept = exchange.accept(context, handle, average)
         if feedback:
             self.residual_memory.commit(handle.keys, accept)

@@ -222,9 +222,13 @@ class FrozenVarianceAdam:
         self._pending[tuple(keys)] = pending
         return out
 
-    #: A dense step (the schedule's, a policy's) sends the same quantity, whole, so that the residuals
-    #: flushed into it are in its units; before the freeze that is the gradient itself.
-    dense = before_compress
+    def dense(self, keys, numels, grad: torch.Tensor) -> torch.Tensor:
+        """What a dense step (the schedule's, a policy's) sends: the same quantity as :meth:`before_compress`,
+        whole, so that the residuals flushed into it are in its units; before the freeze, or suspended,
+        that is the gradient itself (``grad``, returned as it is: nothing to copy)."""
+        if self.suspended:
+            return grad
+        return self.before_compress(keys, numels, grad)
 
     def after_compress(self, keys, payload, compressor, numel: int) -> None:
         pass
