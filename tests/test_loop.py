@@ -32,4 +32,7 @@ def test_warm_up_then_cosine_to_a_tenth_and_a_script_that_sets_the_rate_itself()
     optimizer, scheduler = loops.build_optimizer(loops.loop_for("gpt", "adamw", 100), model)
     assert scheduler is None  # manual LR: no scheduler object
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]  # matrices, the rest
+    # Under SGD the script's decoupled 0.1 becomes the L2 decay of the same shrink a step: 1e-4.
+    assert loops.loop_for("gpt", "sgdm", 100).weight_decay == pytest.approx(1e-4)
+    assert loops.loop_for("charlm-small", "sgdm", 100).weight_decay == 0.0
     assert optimizer.param_groups[0]["lr"] == pytest.approx(loops.lr_at(loops.loop_for("gpt", "adamw", 100), 0))
