@@ -11,7 +11,7 @@ exchanges and the optimizer, as the user's loop runs them. The trial takes the t
 ``steps`` cycles of three steps after the deciding step (which times the kernels, cold):
 
 - *flush*: dense, untimed; it sends what the residuals hold, through the optimizer stage;
-- *dense*: dense and timed, with an optimizer stage that can step aside stepped aside
+- *uncompressed*: dense and timed, with an optimizer stage that can step aside stepped aside
   (``suspends_stage``), as it is while every group goes dense;
 - *compressed*: the choice, timed.
 
@@ -33,10 +33,11 @@ from typing import Callable, Dict, List, Optional
 
 __all__ = ["StepTrial"]
 
-#: A cycle's steps, in order (see the module docstring).
-CYCLE = ("flush", "dense", "compressed")
-#: The names a measurement hook gets for the timed arms (exchange names stay in gradcomp.exchanges).
-ARM_NAMES = {"dense": "uncompressed", "compressed": "compressed"}
+#: A cycle's steps, in order (see the module docstring; the timed dense arm is "uncompressed": the
+#: exchanges' names stay in gradcomp.exchanges).
+CYCLE = ("flush", "uncompressed", "compressed")
+#: The timed arms, the names a measurement hook gets.
+TIMED = ("uncompressed", "compressed")
 
 
 class StepTrial:
@@ -63,9 +64,9 @@ class StepTrial:
         if self._began is not None:
             previous, began = self._began
             arm = self.arm(previous)
-            if arm in ARM_NAMES:
+            if arm in TIMED:
                 seconds = now - began
-                self._seconds[previous] = float(hook(ARM_NAMES[arm], seconds)) if hook else seconds
+                self._seconds[previous] = float(hook(arm, seconds)) if hook else seconds
         self._began = (step, now)
 
     def arm(self, step: int) -> Optional[str]:
@@ -76,11 +77,11 @@ class StepTrial:
 
     def forces_dense(self, step: int) -> bool:
         """Whether this step is one of the trial's dense ones."""
-        return self.arm(step) in ("flush", "dense")
+        return self.arm(step) in ("flush", "uncompressed")
 
     def suspends_stage(self, step: int) -> bool:
         """Whether an optimizer stage that can step aside does so for this step (the timed dense arm)."""
-        return self.arm(step) == "dense"
+        return self.arm(step) == "uncompressed"
 
     # -- one decision ----------------------------------------------------------------------
     def begin(self, step: int) -> None:

@@ -209,7 +209,7 @@ def test_the_trial_takes_dense_and_compressed_steps_in_turn_after_a_flush():
     trial = StepTrial(3, 0.05)
     arms, judged = drive(trial, 14, decide_at=2, dense_s=1.0, compressed_s=0.9)
     # Step 2 decides and runs the kernels cold; then 3 cycles of flush, dense, compressed.
-    assert arms[:3] == [None] * 3 and arms[3:12] == ["flush", "dense", "compressed"] * 3 and judged == 12
+    assert arms[:3] == [None] * 3 and arms[3:12] == ["flush", "uncompressed", "compressed"] * 3 and judged == 12
     assert trial.verdict == {"dense_step_s": 1.0, "compressed_step_s": 0.9, "paired_ratio": pytest.approx(0.9),
                              "kept": True}
 
