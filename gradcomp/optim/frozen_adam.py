@@ -184,8 +184,7 @@ class FrozenVarianceAdam:
         if not self.suspended:
             return
         self.suspended = False
-        self.frozen_at = max((self._steps_done(p) for p in self.names.values()), default=self.freeze_step)
-        self.frozen_at = max(self.frozen_at, self.freeze_step)
+        self.frozen_at = max([self.freeze_step] + [self._steps_done(p) for p in self.names.values()])
 
     def _pieces(self, keys, numels, flat: torch.Tensor):
         """``(key, parameter, its group, its slice of flat)`` of the frozen parameters laid out in ``flat``."""
