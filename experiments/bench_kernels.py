@@ -22,6 +22,8 @@ op                         bytes
 ``twobit_compress``        ``n * (g + 4 + 4) + 4 * ceil(n / 16)``
                            (grad, residual in, residual out, codes)
 ``twobit_decompress_add``  ``4 * ceil(n / 16) + 8 * n`` (codes, out read and written)
+``twobit_chunk_compress``  ``twobit_compress``'s + ``4 * ceil(n / 64)`` (the scales)
+``twobit_chunk_decompress_add``  ``twobit_decompress_add``'s + ``4 * ceil(n / 64)``
 ``topk_compress``          ``n * (g + 4 + 4) + k * (g + x)``
                            (grad, residual in, residual out, values, indices)
 ``topk_decompress_add``    ``k * (g + x) + 8 * k`` (payload; the k entries of out
@@ -110,6 +112,10 @@ def op_bytes(op: str, n: int, k: Optional[int], grad_bytes: int) -> int:
         return n * (grad_bytes + 8) + words
     if op == "twobit_decompress_add":
         return words + 8 * n
+    if op == "twobit_chunk_compress":
+        return n * (grad_bytes + 8) + words + 4 * ((n + 63) // 64)
+    if op == "twobit_chunk_decompress_add":
+        return words + 4 * ((n + 63) // 64) + 8 * n
     if op == "topk_compress":
         return n * (grad_bytes + 8) + k * (grad_bytes + INDEX_BYTES)
     if op == "topk_decompress_add":
@@ -135,7 +141,14 @@ def bench_case(backend, device, op, n, dtype, dist, density, args, generator) ->
     restore = lambda: residual.copy_(residual_start)  # noqa: E731
     compress = KERNELS[(op.replace("decompress_add", "compress"), backend)]
     k = None
-    if op.startswith("twobit"):
+    if op.startswith("twobit_chunk"):
+        codes = torch.empty((n + 15) // 16, dtype=torch.int32, device=device)
+        scales = torch.empty((n + 63) // 64, device=device)
+        compress_call = lambda: compress(grad, residual, residual, codes, scales)  # noqa: E731
+        out = torch.zeros(n, device=device)
+        decompress = KERNELS[("twobit_chunk_decompress_add", backend)]
+        decompress_call = lambda: decompress(codes, scales, out)  # noqa: E731
+    elif op.startswith("twobit"):
         codes = torch.empty((n + 15) // 16, dtype=torch.int32, device=device)
         compress_call = lambda: compress(grad, residual, residual, THRESHOLD, codes)  # noqa: E731
         out = torch.zeros(n, device=device)
@@ -178,6 +191,8 @@ def parse_args(argv):
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=None,
                         help="default: every available backend; the torch reference always runs too, for the speed-ups")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--devices", nargs="+", choices=("cpu", "cuda"), default=None,
+                        help="only these device types (default: every device a chosen backend runs on)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case; the median is reported")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs first (numba compiles on its first call)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -229,7 +244,8 @@ def main(argv=None) -> List[Dict]:
 
     records: List[Dict] = []
     generator = torch.Generator().manual_seed(args.seed)
-    devices = sorted({d for b in backends for d in devices_for(b)}, key=str)
+    devices = sorted({d for b in backends for d in devices_for(b) if args.devices in (None, [])
+                      or d.type in args.devices}, key=str)
     for n, device in itertools.product(args.sizes, devices):
         bandwidth = copy_bandwidth(n, device, max(args.repeats, 5), args.warmup)
         print(f"\nn={n} ({n * 4 / 2**20:.0f} MiB fp32) on {device}: copy bandwidth {bandwidth / 1e9:.1f} GB/s")

@@ -39,15 +39,34 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view({4: torch.int32, 2: torch.int16, 8: torch.int64}[tensor.element_size()])
 
 
-def mismatches(actual: torch.Tensor, expected: torch.Tensor) -> int:
+class Mismatch(int):
+    """How many elements differ (an int), printed with the first few: index, got, expected (bits)."""
+
+    detail = ""
+
+    def __str__(self) -> str:
+        return f"{int(self)} elements differ{self.detail}"
+
+
+def mismatches(actual: torch.Tensor, expected: torch.Tensor) -> Mismatch:
     """How many elements differ bit for bit, counting any two NaNs as equal."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        return max(actual.numel(), expected.numel(), 1)
+        return Mismatch(max(actual.numel(), expected.numel(), 1))
     if not actual.dtype.is_floating_point:
-        return int((actual != expected).sum())
-    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
-    differ = ((_bits(actual) != _bits(expected)) & ~(nan_a & nan_e)) | (nan_a != nan_e)
-    return int(differ.sum())
+        differ = actual != expected
+    else:
+        nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+        differ = ((_bits(actual) != _bits(expected)) & ~(nan_a & nan_e)) | (nan_a != nan_e)
+    count = Mismatch(int(differ.sum()))
+    if count:
+        where = torch.nonzero(differ).flatten()[:3].tolist()
+        size = actual.element_size()
+        got, want = _bits(actual).cpu(), _bits(expected).cpu()
+        hexa = lambda bits: f"{int(bits) & ((1 << 8 * size) - 1):0{2 * size}x}"  # noqa: E731
+        count.detail = "; first at " + ", ".join(
+            f"[{i}] got {actual[i].item()!r} ({hexa(got[i])}) expected {expected[i].item()!r} ({hexa(want[i])})"
+            for i in where)
+    return count
 
 
 def make_values(kind: str, n: int, device, seed: int) -> torch.Tensor:
@@ -82,6 +101,7 @@ def check_correctness(
                     start = make_values("special", n, device, seed + 2)
                     what = f"{dtype_name} n={n} {kind} residual={mode}"
                     compared = _compare_twobit(kernels, reference, grad, residual, mode, start, device)
+                    compared += _compare_twobit_chunk(kernels, reference, grad, residual, mode, start, device)
                     for k in sorted({1, max(1, n // 100), n}):  # top-k for k = 1, 1% and n
                         if k == n and n > 100_000:
                             continue  # the reference's int64 sort of everything is slow
@@ -90,7 +110,7 @@ def check_correctness(
                     for name, bad in compared:
                         if bad:
                             failures += 1
-                            print(f"  MISMATCH {name} {what}: {bad} elements differ")
+                            print(f"  MISMATCH {name} {what}: {bad}")
         print(f"  {dtype_name}: checked; {failures} failures so far")
     return failures
 
@@ -118,6 +138,25 @@ def _compare_twobit(kernels, reference, grad, residual, mode: str, start, device
             ("twobit_decompress_add", mismatches(out, ref_out))]
 
 
+def _compare_twobit_chunk(kernels, reference, grad, residual, mode: str, start, device):
+    """``[(what, elements that differ)]`` of chunk-scaled 2-bit (a scale per 64 elements)."""
+    n = grad.numel()
+    ref_codes = torch.empty((n + 15) // 16, dtype=torch.int32, device=device)
+    ref_scales = torch.empty((n + 63) // 64, device=device)
+    ref_residual = torch.empty(n, device=device)
+    reference["twobit_chunk_compress"](grad, residual, ref_residual, ref_codes, ref_scales)
+    codes, scales = torch.full_like(ref_codes, -1), torch.full_like(ref_scales, -1.0)
+    residual_in, residual_out = _outputs(residual, mode, n, device)
+    kernels["twobit_chunk_compress"](grad, residual_in, residual_out, codes, scales)
+    ref_out, out = start.clone(), start.clone()
+    reference["twobit_chunk_decompress_add"](ref_codes, ref_scales, ref_out)
+    kernels["twobit_chunk_decompress_add"](codes, scales, out)
+    return [("twobit_chunk_compress codes", mismatches(codes, ref_codes)),
+            ("twobit_chunk_compress scales", mismatches(scales, ref_scales)),
+            ("twobit_chunk_compress residual", mismatches(residual_out, ref_residual)),
+            ("twobit_chunk_decompress_add", mismatches(out, ref_out))]
+
+
 def _compare_topk(kernels, reference, grad, residual, mode: str, start, k: int, device):
     """``[(what, elements that differ)]`` of top-k's compression (``k`` entries) and decompression."""
     n = grad.numel()
@@ -142,7 +181,9 @@ def _compare_topk(kernels, reference, grad, residual, mode: str, start, k: int, 
 
 
 def check_compressors(device, backend: str) -> int:
-    """The compressors produce byte-identical payloads and residuals on ``backend`` and torch."""
+    """The compressors produce the same payloads (segment by segment, any NaN equal to any NaN:
+    torch's CUDA casts encode a float16/bfloat16 NaN as 0x7FFF, its CPU casts and the kernels as
+    0x7E00/0x7FC0) and residuals on ``backend`` and torch."""
     from gradcomp import TopK, TwoBit
 
     failures = 0
@@ -155,7 +196,8 @@ def check_compressors(device, backend: str) -> int:
                 payload = compressor.compress(grad, residual, residual, backend=chosen)
                 out = torch.zeros(grad.numel(), device=device)
                 compressor.decompress_add(payload, out, backend=chosen)
-                results.append((payload.buffer, residual, out))
+                segments = [payload[segment.name] for segment in payload.layout.segments]
+                results.append((*segments, residual, out))
             bad = sum(mismatches(a, b) for a, b in zip(*results))
             if bad:
                 failures += 1
@@ -202,6 +244,7 @@ def benchmark(device, kernels, reference, sizes: List[int], density: float, repe
             grad = torch.randn(n, device=device).to(dtype)
             residual = torch.randn(n, device=device) * 0.1
             codes = torch.empty((n + 15) // 16, dtype=torch.int32, device=device)
+            scales = torch.empty((n + 63) // 64, device=device)
             values = torch.empty(k, dtype=dtype, device=device)
             indices = torch.empty(k, dtype=torch.int32, device=device)
             out = torch.zeros(n, device=device)
@@ -212,13 +255,18 @@ def benchmark(device, kernels, reference, sizes: List[int], density: float, repe
                                     n * (g + 8) + 4 * codes.numel()),
                 "twobit_decompress_add": (lambda ops: ops["twobit_decompress_add"](codes, 0.5, out),
                                           4 * codes.numel() + 8 * n),
+                "twobit_chunk_compress": (
+                    lambda ops: ops["twobit_chunk_compress"](grad, residual, residual, codes, scales),
+                    n * (g + 8) + 4 * codes.numel() + 4 * scales.numel()),
+                "twobit_chunk_decompress_add": (lambda ops: ops["twobit_chunk_decompress_add"](codes, scales, out),
+                                                4 * codes.numel() + 4 * scales.numel() + 8 * n),
                 "topk_compress": (lambda ops: ops["topk_compress"](grad, residual, residual, values, indices),
                                   n * (g + 8) + k * (g + 4)),
                 "topk_decompress_add": (lambda ops: ops["topk_decompress_add"](values, indices, out),
                                         k * (g + 4 + 8)),
             }
             for op, (call, nbytes) in cases.items():
-                if op == "twobit_decompress_add" and dtype_name != "f32":
+                if op.endswith("decompress_add") and op.startswith("twobit") and dtype_name != "f32":
                     continue  # dtype-independent
                 cuda_s = time_gpu(lambda: call(kernels), repeats)
                 torch_s = time_gpu(lambda: call(reference), repeats)

@@ -270,6 +270,22 @@ def test_cuda_nvrtc_compiles_module_source(arch):
     assert status == 0, log.value.decode(errors="replace")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="cupy is not installed (pip install cupy-cuda12x)")
+def test_cuda_module_is_compiled_with_ieee_arithmetic():
+    """The module the backend loads keeps denormals and rounds every operation on its own, as the
+    torch reference does: its PTX has no flush-to-zero (``.ftz``, which CuPy's own compile path
+    forces; on an H200 it made 2-bit decoding drop a denormal of ``out``) and no fused
+    multiply-add. Needs NVRTC, not a GPU."""
+    try:
+        image, kind = cuda_ops.compile_image(90, ptx=True)
+    except Exception as error:  # NVRTC missing from this CuPy's environment
+        pytest.skip(f"NVRTC is not usable here: {type(error).__name__}: {error}")
+    text = image.decode()
+    assert kind == "ptx" and ".entry gradcomp_twobit_decompress_add" in text
+    assert ".ftz" not in text and "fma." not in text
+    assert "add.f32" in text or "add.rn.f32" in text  # there is float arithmetic to look at
+
+
 # --- 2-bit in the emulation --------------------------------------------------------
 
 

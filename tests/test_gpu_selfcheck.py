@@ -1,5 +1,6 @@
 """The GPU self-check's comparison (experiments.gpu_selfcheck.check_correctness) on CPU: it passes
 kernels that agree with the reference and counts those that do not."""
+import pytest
 import torch
 
 from experiments import gpu_selfcheck
@@ -31,3 +32,27 @@ def test_a_kernel_that_disagrees_is_counted_and_named(capsys):
     kernels["topk_decompress_add"] = off_by_one
     assert gpu_selfcheck.check_correctness(torch.device("cpu"), kernels, reference, sizes=SIZES) > 0
     assert "MISMATCH topk_decompress_add" in capsys.readouterr().out
+
+
+def test_a_mismatch_names_its_first_elements_and_their_bits():
+    """A GPU run's report must say what differs, not only how much: -0.0 against +0.0 is two
+    elements apart in bits although equal as numbers, and any two NaNs count as equal."""
+    got = torch.tensor([1.0, -0.0, float("nan"), 2.0])
+    expected = torch.tensor([1.0, 0.0, float("nan"), 3.0])
+    found = gpu_selfcheck.mismatches(got, expected)
+    assert found == 2
+    assert "[1] got -0.0 (80000000) expected 0.0 (00000000)" in str(found)
+    assert "[3] got 2.0 (40000000) expected 3.0 (40400000)" in str(found)
+    assert gpu_selfcheck.mismatches(got.half(), expected.half()).detail.count("[") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ddp_check_runs_a_backend_against_the_reference_in_real_ranks(capsys):
+    """experiments.gpu_ddp_check, the end-to-end check of a GPU run, on CPU: numba against torch
+    in two Gloo ranks, every compressor and the recipe, bitwise equal."""
+    from experiments import gpu_ddp_check
+
+    assert gpu_ddp_check.main(["--device", "cpu", "--backend", "numba", "--steps", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bitwise equal") == len(gpu_ddp_check.RUNS)

@@ -45,8 +45,12 @@ SOURCE_DIR = os.path.dirname(os.path.abspath(gradcomp.csrc.__file__))
 SOURCE_FILES = ("twobit.cu", "twobit_chunk.cu", "topk.cu")
 #: ``GRADCOMP_MAX_THREADS`` of ``csrc/gradcomp_common.cuh``: shared arrays are sized for it.
 MAX_THREADS = 256
-#: Options for NVRTC. No fast-math: the kernels must match the torch reference bit for bit.
-NVRTC_OPTIONS = ("-std=c++17",)
+#: Options for NVRTC. The kernels must match the torch reference bit for bit, so IEEE arithmetic
+#: throughout: denormals kept (CuPy's own compile path always adds ``-ftz=true``, which flushes
+#: them -- on an H200 a denormal in ``out`` then vanished in 2-bit decoding -- so
+#: :func:`compile_module` calls NVRTC itself), no ``a * b + c`` contracted into one rounding, and
+#: IEEE division and square root.
+NVRTC_OPTIONS = ("-std=c++17", "-ftz=false", "-fmad=false", "-prec-div=true", "-prec-sqrt=true")
 
 #: ``launch(kernel_name, grid, block, args)``; ``args`` are NumPy scalars: ``numpy.uint64``
 #: for pointers, ``numpy.int64``/``numpy.int32`` for integers, ``numpy.float32`` for floats.
@@ -222,8 +226,7 @@ _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M
 def kernel_source(source_dir: str = SOURCE_DIR, files: Iterable[str] = SOURCE_FILES) -> str:
     """One translation unit: :data:`SOURCE_FILES` with their local ``#include "..."`` inlined.
 
-    Inlining (each header once) needs no include path for NVRTC, and makes CuPy's on-disk
-    kernel cache, keyed by the source text, see any change to a header.
+    Inlining (each header once) needs no include path for NVRTC.
     """
     seen = set()
 
@@ -244,15 +247,47 @@ class CupyLaunch:
     Launches go on CuPy's current stream, which :func:`_run_on_device` sets to torch's.
     """
 
-    def __init__(self, module: "cupy.RawModule"):
+    def __init__(self, module: "cupy.cuda.function.Module"):
         self.module = module
-        self.kernels: Dict[str, "cupy.RawKernel"] = {}
+        self.kernels: Dict[str, "cupy.cuda.function.Function"] = {}
 
     def __call__(self, name: str, grid: int, block: int, args: Tuple) -> None:
         kernel = self.kernels.get(name)
         if kernel is None:
             kernel = self.kernels[name] = self.module.get_function(name)
         kernel((grid,), (block,), args)
+
+
+def compile_image(capability: int, ptx: bool = False) -> Tuple[bytes, str]:
+    """:func:`kernel_source` compiled by NVRTC with :data:`NVRTC_OPTIONS` for compute capability
+    ``capability`` (90 for an H100): ``(image, "cubin")``, machine code, where this NVRTC knows
+    the architecture and ``ptx`` is false, else ``(image, "ptx")`` for the newest one it knows at
+    or below it (the driver compiles that). Needs NVRTC, not a GPU."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    known = [int(arch) for arch in nvrtc.getSupportedArchs()]
+    below = [arch for arch in known if arch <= capability]
+    if not below:
+        raise RuntimeError(f"this NVRTC targets compute capabilities {known}, none at or below {capability}")
+    kind = "cubin" if capability in known and not ptx else "ptx"
+    target = f"--gpu-architecture={'sm' if kind == 'cubin' else 'compute'}_{max(below)}"
+    program = nvrtc.createProgram(kernel_source(), "gradcomp.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, [*NVRTC_OPTIONS, target])
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(f"NVRTC ({target}): {error}\n{nvrtc.getProgramLog(program)}") from error
+        return (nvrtc.getCUBIN(program) if kind == "cubin" else nvrtc.getPTX(program)), kind
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def compile_module(device_index: int) -> "cupy.cuda.function.Module":
+    """The kernels compiled (:func:`compile_image`) and loaded for CUDA device ``device_index``."""
+    image, _ = compile_image(int(cupy.cuda.Device(device_index).compute_capability))
+    module = cupy.cuda.function.Module()
+    module.load(image)
+    return module
 
 
 _launchers: Dict[int, CupyLaunch] = {}
@@ -274,11 +309,7 @@ def device_launcher(device_index: int) -> CupyLaunch:
         if launcher is None:
             try:
                 with cupy.cuda.Device(device_index):
-                    module = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
-                    launcher = CupyLaunch(module)
-                    launcher.kernels["gradcomp_twobit_decompress_add"] = module.get_function(
-                        "gradcomp_twobit_decompress_add"
-                    )  # compiles the module now rather than in the middle of an op
+                    launcher = CupyLaunch(compile_module(device_index))
             except Exception as error:  # CUDARuntimeError, CompileException, OSError, ...
                 raise RuntimeError(
                     f"gradcomp's cuda backend could not compile its kernels for CUDA device {device_index} "
