@@ -168,8 +168,12 @@ class ErrorFeedback:
 
     def flush_into(self, keys: Sequence[Hashable], numels: Sequence[int], grad: torch.Tensor) -> List[Hashable]:
         """Add the residuals held for ``keys`` (laid out by ``numels``) into the flat ``grad``
-        (mutated) and zero them, so a group that goes dense after being compressed loses nothing
-        it held back. Returns the keys that held a residual."""
+        (mutated) and forget them, so a group that goes dense after being compressed loses nothing
+        it held back. Returns the keys that held a residual.
+
+        Forgotten rather than zeroed: a group that stays dense (a policy's dense verdict) then costs
+        no pass over zeros at every step, and holds no residual memory; a later compressed step
+        starts from zeros, as a new key does."""
         if not self._owner and not self._loaded:
             return []
         offset, flushed = 0, []
@@ -179,9 +183,9 @@ class ErrorFeedback:
                 if residual.numel() != n:
                     raise RuntimeError(f"the residual of {key!r} has {residual.numel()} elements, its gradient {n}")
                 grad[offset: offset + n].add_(residual.to(grad.dtype))
-                residual.zero_()
                 flushed.append(key)
             offset += n
+        self.drop(flushed)
         return flushed
 
     def keys(self) -> List[Hashable]:

@@ -68,8 +68,24 @@ def test_warm_up_steps_are_dense_and_flush_residuals_held_from_before():
     engine.residual_memory.load_state_dict({"residuals": {"w": torch.tensor([1.0, 1.0, 1.0, 1.0])}})
     grad = torch.tensor([1.0, -4.0, 0.5, 2.0])
     assert torch.equal(run(engine, grad.clone()), grad + 1)  # dense: gradient plus what was held back
-    assert torch.equal(engine.residual_memory.residual("w"), torch.zeros(4))
+    assert engine.residual_memory.residual("w") is None  # sent, so forgotten: nothing is held while dense
+    assert engine.residual_memory.keys() == []
     assert engine.stats()["total"]["compression_ratio"] == 1.0
+
+
+def test_dense_steps_after_a_flush_touch_no_residual_and_compression_restarts_from_zero():
+    """A group that stays dense (a policy's dense verdict) costs no pass over residuals at every
+    step; when compression comes back its residual starts from zeros, as a new parameter's does."""
+    engine = Engine(gradcomp.TopK(0.25), OneRank(), warmup_steps=2, min_numel=0, backend="torch")
+    engine.residual_memory.load_state_dict({"residuals": {"w": torch.tensor([1.0, 1.0, 1.0, 1.0])}})
+    grad = torch.tensor([1.0, -4.0, 0.5, 2.0])
+    assert torch.equal(run(engine, grad.clone()), grad + 1)
+    engine.end_step()
+    assert engine.residual_memory.flush_into(["w"], [4], grad.clone()) == []
+    assert torch.equal(run(engine, grad.clone()), grad)  # the second dense step adds nothing
+    engine.end_step()
+    assert torch.equal(run(engine, grad.clone()), torch.tensor([0.0, -4.0, 0.0, 0.0]))
+    assert torch.equal(engine.residual_memory.residual("w"), torch.tensor([1.0, 0.0, 0.5, 2.0]))
 
 
 def test_a_non_finite_average_leaves_the_residuals_and_the_transform_uncommitted():
