@@ -43,6 +43,7 @@ class TorchDistributedTransport(Transport):
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         self.process_group = process_group
+        self._size_of: Tuple[object, int] = (None, 1)  # (group, its size): asked at every exchange
 
     @property
     def _group(self):
@@ -50,7 +51,12 @@ class TorchDistributedTransport(Transport):
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size(self._group) if dist.is_initialized() else 1
+        if not dist.is_initialized():
+            return 1
+        group = self._group
+        if self._size_of[0] is not group:  # a group's size never changes; a new default group is another object
+            self._size_of = (group, dist.get_world_size(group))
+        return self._size_of[1]
 
     @property
     def rank(self) -> int:
