@@ -56,3 +56,21 @@ def test_ddp_check_runs_a_backend_against_the_reference_in_real_ranks(capsys):
     assert gpu_ddp_check.main(["--device", "cpu", "--backend", "numba", "--steps", "6"]) == 0
     out = capsys.readouterr().out
     assert out.count("bitwise equal") == len(gpu_ddp_check.RUNS)
+
+
+def test_hostile_check_passes_a_careful_decoder_and_catches_a_careless_one(monkeypatch, capsys):
+    """experiments.gpu_hostile_check, run on the GPU under compute-sanitizer, here on CPU: the numba
+    decoders behave in every case; a decoder that writes before checking is caught."""
+    from experiments import gpu_hostile_check
+
+    assert gpu_hostile_check.main(["--device", "cpu", "--backend", "numba"]) == 0
+    careful = backends.kernel
+
+    def careless(op, device, backend):
+        if op != "topk_decompress_add":
+            return careful(op, device, backend)
+        return lambda values, indices, out: out.add_(1.0)  # writes whatever it was sent
+
+    monkeypatch.setattr(backends, "kernel", careless)
+    assert gpu_hostile_check.main(["--device", "cpu", "--backend", "numba"]) == 1
+    assert "FAIL top-k unsorted" in capsys.readouterr().out
