@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import gradcomp.backends
 import gradcomp.csrc
-from gradcomp.backends import torch_ops
+from gradcomp.backends import cuda_source, torch_ops
 
 TESTS_DIR = Path(__file__).resolve().parent
 SOURCE_DIR = Path(gradcomp.csrc.__file__).resolve().parent
@@ -215,7 +215,7 @@ def test_cuda_nvrtc_translation_unit_builds_with_nvcc(tmp_path):
     if _nvcc_supported_archs() is None:
         pytest.skip("nvcc is not on PATH (it ships with the CUDA toolkit)")
     unit = tmp_path / "gradcomp_nvrtc_unit.cu"
-    unit.write_text(cuda_ops.kernel_source(str(SOURCE_DIR)))
+    unit.write_text(cuda_source.kernel_source(str(SOURCE_DIR)))
     assert '#include "' not in unit.read_text()
     result = subprocess.run(
         ["nvcc", "-arch=sm_90", "-std=c++17", "-c", "-o", str(tmp_path / "unit.o"), str(unit)],
@@ -258,9 +258,9 @@ def test_cuda_nvrtc_compiles_module_source(arch):
     if arch == "compute_70" and major.value >= 13:
         pytest.skip(f"NVRTC {major.value}.{minor.value} cannot target {arch} (dropped in CUDA 13)")
     program = ctypes.c_void_p()
-    source = cuda_ops.kernel_source(str(SOURCE_DIR)).encode()
+    source = cuda_source.kernel_source(str(SOURCE_DIR)).encode()
     assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, b"gradcomp.cu", 0, None, None) == 0
-    options = [option.encode() for option in cuda_ops.NVRTC_OPTIONS] + [f"--gpu-architecture={arch}".encode()]
+    options = [option.encode() for option in cuda_source.NVRTC_OPTIONS] + [f"--gpu-architecture={arch}".encode()]
     status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
     size = ctypes.c_size_t()
     nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
@@ -277,7 +277,7 @@ def test_cuda_module_is_compiled_with_ieee_arithmetic():
     forces; on an H200 it made 2-bit decoding drop a denormal of ``out``) and no fused
     multiply-add. Needs NVRTC, not a GPU."""
     try:
-        image, kind = cuda_ops.compile_image(90, ptx=True)
+        image, kind = cuda_source.compile_image(90, ptx=True)
     except Exception as error:  # NVRTC missing from this CuPy's environment
         pytest.skip(f"NVRTC is not usable here: {type(error).__name__}: {error}")
     text = image.decode()

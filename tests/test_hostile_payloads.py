@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 import gradcomp
 import gradcomp.csrc
 from emulation import cuda_emulator
+from experiments.gpu_hostile_check import KINDS as HOSTILE_KINDS  # the same cases on a GPU
+from experiments.gpu_hostile_check import N, hostile_indices
 from gradcomp.backends import (
     KERNELS,
     is_available,
@@ -240,40 +242,7 @@ class GuardedOut:
         assert torch.equal(b[-_GUARD:], a[-_GUARD:]), f"{what}: written past the output"
 
 
-N = 100
 VALID = torch.tensor([0, 3, 9, 27, 40, 41, 63, 88, 98, 99])
-
-
-def hostile_indices(kind, dtype):
-    indices = VALID.clone()
-    if kind == "equal_to_n":
-        indices[-1] = N
-    elif kind == "far_past_n":
-        indices[4] = 10**6
-    elif kind == "int_max":
-        indices[-1] = torch.iinfo(dtype).max
-    elif kind == "minus_one":
-        indices[0] = -1
-    elif kind == "minus_n":
-        indices[0] = -N
-    elif kind == "int_min":
-        indices[2] = torch.iinfo(dtype).min
-    elif kind == "duplicate":
-        indices[5] = indices[4]
-    elif kind == "duplicate_unsorted":  # [.., 40, 27, 40, ..]: a neighbour check alone misses it
-        indices[4], indices[5] = 27, 40
-        indices[3] = 40
-    elif kind == "unsorted":
-        indices = indices.flip(0)
-    elif kind == "all_same":
-        indices[:] = 7
-    else:
-        raise ValueError(kind)
-    return indices.to(dtype)
-
-
-HOSTILE_KINDS = ["equal_to_n", "far_past_n", "int_max", "minus_one", "minus_n", "int_min", "duplicate",
-                 "duplicate_unsorted", "unsorted", "all_same"]
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])

@@ -10,6 +10,7 @@ from test_engine import OneRank
 
 import gradcomp
 import gradcomp.backends
+from gradcomp.backends import cuda_source
 from gradcomp.compressors.per_parameter import PerParameter
 from gradcomp.engine import Engine
 from gradcomp.payload import Payload
@@ -33,7 +34,7 @@ def make(n, dtype, seed):
 def emulated_cuda():
     """The CUDA kernels, run in the CPU emulation, standing in for the torch backend's ops."""
     try:
-        launcher = cuda_emulator.EmulatedLauncher(cuda_emulator.build(cuda_emulator.Path(cuda_ops.SOURCE_DIR)))
+        launcher = cuda_emulator.EmulatedLauncher(cuda_emulator.build(cuda_emulator.Path(cuda_source.SOURCE_DIR)))
     except FileNotFoundError as error:
         pytest.skip(f"the CUDA emulation needs a C++20 compiler: {error}")
     return {

@@ -1,4 +1,4 @@
-"""The ``cuda`` backend: the kernels of ``csrc/`` compiled by NVRTC through CuPy.
+"""The ``cuda`` backend: the kernels of ``csrc/`` (compiled by :mod:`gradcomp.backends.cuda_source`) run through CuPy.
 
 Contracts are in :mod:`gradcomp.backends`. Each op is a short, fixed sequence of kernel
 launches on ``torch.cuda.current_stream()``, with no host synchronisation except the one
@@ -25,33 +25,21 @@ current stream, so ordering with the surrounding torch work is what torch alread
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import cupy  # ImportError here marks the backend unavailable (gradcomp.backends._load)
 import numpy
 import torch
 
-import gradcomp.csrc
 from gradcomp.backends import checks, implements
+from gradcomp.backends.cuda_source import compile_image
 
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = os.path.dirname(os.path.abspath(gradcomp.csrc.__file__))
-#: Kernel sources compiled into one module, in this order.
-SOURCE_FILES = ("twobit.cu", "twobit_chunk.cu", "topk.cu")
 #: ``GRADCOMP_MAX_THREADS`` of ``csrc/gradcomp_common.cuh``: shared arrays are sized for it.
 MAX_THREADS = 256
-#: Options for NVRTC. The kernels must match the torch reference bit for bit, so IEEE arithmetic
-#: throughout: denormals kept (CuPy's own compile path always adds ``-ftz=true``, which flushes
-#: them -- on an H200 a denormal in ``out`` then vanished in 2-bit decoding -- so
-#: :func:`compile_module` calls NVRTC itself), no ``a * b + c`` contracted into one rounding, and
-#: IEEE division and square root.
-NVRTC_OPTIONS = ("-std=c++17", "-ftz=false", "-fmad=false", "-prec-div=true", "-prec-sqrt=true")
-
 #: ``launch(kernel_name, grid, block, args)``; ``args`` are NumPy scalars: ``numpy.uint64``
 #: for pointers, ``numpy.int64``/``numpy.int32`` for integers, ``numpy.float32`` for floats.
 Launch = Callable[[str, int, int, Tuple], None]
@@ -218,28 +206,7 @@ def plan_topk_decompress_add(launch: Launch, config: LaunchConfig, values, indic
         raise ValueError(f"topk_decompress_add: {problem}; nothing was written")
 
 
-# --- sources and the compiled module ---------------------------------------------------
-
-_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
-
-
-def kernel_source(source_dir: str = SOURCE_DIR, files: Iterable[str] = SOURCE_FILES) -> str:
-    """One translation unit: :data:`SOURCE_FILES` with their local ``#include "..."`` inlined.
-
-    Inlining (each header once) needs no include path for NVRTC.
-    """
-    seen = set()
-
-    def expand(name: str) -> str:
-        if name in seen:
-            return ""
-        seen.add(name)
-        with open(os.path.join(source_dir, name), encoding="utf-8") as handle:
-            text = handle.read()
-        return _LOCAL_INCLUDE.sub(lambda match: expand(match.group(1)), text)
-
-    return "\n".join(f"// ---- {name}\n{expand(name)}" for name in files)
-
+# --- the compiled module ----------------------------------------------------------------
 
 class CupyLaunch:
     """A :data:`Launch` on CuPy for one device: kernels looked up by name once, then reused.
@@ -256,30 +223,6 @@ class CupyLaunch:
         if kernel is None:
             kernel = self.kernels[name] = self.module.get_function(name)
         kernel((grid,), (block,), args)
-
-
-def compile_image(capability: int, ptx: bool = False) -> Tuple[bytes, str]:
-    """:func:`kernel_source` compiled by NVRTC with :data:`NVRTC_OPTIONS` for compute capability
-    ``capability`` (90 for an H100): ``(image, "cubin")``, machine code, where this NVRTC knows
-    the architecture and ``ptx`` is false, else ``(image, "ptx")`` for the newest one it knows at
-    or below it (the driver compiles that). Needs NVRTC, not a GPU."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    known = [int(arch) for arch in nvrtc.getSupportedArchs()]
-    below = [arch for arch in known if arch <= capability]
-    if not below:
-        raise RuntimeError(f"this NVRTC targets compute capabilities {known}, none at or below {capability}")
-    kind = "cubin" if capability in known and not ptx else "ptx"
-    target = f"--gpu-architecture={'sm' if kind == 'cubin' else 'compute'}_{max(below)}"
-    program = nvrtc.createProgram(kernel_source(), "gradcomp.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(program, [*NVRTC_OPTIONS, target])
-        except nvrtc.NVRTCError as error:
-            raise RuntimeError(f"NVRTC ({target}): {error}\n{nvrtc.getProgramLog(program)}") from error
-        return (nvrtc.getCUBIN(program) if kind == "cubin" else nvrtc.getPTX(program)), kind
-    finally:
-        nvrtc.destroyProgram(program)
 
 
 def compile_module(device_index: int) -> "cupy.cuda.function.Module":
