@@ -208,6 +208,7 @@ def plan_topk_decompress_add(launch: Launch, config: LaunchConfig, values, indic
 
 # --- the compiled module ----------------------------------------------------------------
 
+
 class CupyLaunch:
     """A :data:`Launch` on CuPy for one device: kernels looked up by name once, then reused.
 
