@@ -24,6 +24,8 @@ op                         bytes
 ``twobit_decompress_add``  ``4 * ceil(n / 16) + 8 * n`` (codes, out read and written)
 ``twobit_chunk_compress``  ``twobit_compress``'s + ``4 * ceil(n / 64)`` (the scales)
 ``twobit_chunk_decompress_add``  ``twobit_decompress_add``'s + ``4 * ceil(n / 64)``
+``threebit_compress``      ``n * (g + 4 + 4) + 4 * ceil(n / 10) + 4 * ceil(n / 128)``
+``threebit_decompress_add``  ``4 * ceil(n / 10) + 4 * ceil(n / 128) + 8 * n``
 ``topk_compress``          ``n * (g + 4 + 4) + k * (g + x)``
                            (grad, residual in, residual out, values, indices)
 ``topk_decompress_add``    ``k * (g + x) + 8 * k`` (payload; the k entries of out
@@ -116,6 +118,10 @@ def op_bytes(op: str, n: int, k: Optional[int], grad_bytes: int) -> int:
         return n * (grad_bytes + 8) + words + 4 * ((n + 63) // 64)
     if op == "twobit_chunk_decompress_add":
         return words + 4 * ((n + 63) // 64) + 8 * n
+    if op == "threebit_compress":
+        return n * (grad_bytes + 8) + 4 * -(-n // 10) + 4 * -(-n // 128)
+    if op == "threebit_decompress_add":
+        return 4 * -(-n // 10) + 4 * -(-n // 128) + 8 * n
     if op == "topk_compress":
         return n * (grad_bytes + 8) + k * (grad_bytes + INDEX_BYTES)
     if op == "topk_decompress_add":
@@ -141,12 +147,13 @@ def bench_case(backend, device, op, n, dtype, dist, density, args, generator) ->
     restore = lambda: residual.copy_(residual_start)  # noqa: E731
     compress = KERNELS[(op.replace("decompress_add", "compress"), backend)]
     k = None
-    if op.startswith("twobit_chunk"):
-        codes = torch.empty((n + 15) // 16, dtype=torch.int32, device=device)
-        scales = torch.empty((n + 63) // 64, device=device)
+    if op.startswith(("twobit_chunk", "threebit")):
+        prefix, per_word, chunk = ("twobit_chunk", 16, 64) if op.startswith("twobit") else ("threebit", 10, 128)
+        codes = torch.empty(-(-n // per_word), dtype=torch.int32, device=device)
+        scales = torch.empty(-(-n // chunk), device=device)
         compress_call = lambda: compress(grad, residual, residual, codes, scales)  # noqa: E731
         out = torch.zeros(n, device=device)
-        decompress = KERNELS[("twobit_chunk_decompress_add", backend)]
+        decompress = KERNELS[(f"{prefix}_decompress_add", backend)]
         decompress_call = lambda: decompress(codes, scales, out)  # noqa: E731
     elif op.startswith("twobit"):
         codes = torch.empty((n + 15) // 16, dtype=torch.int32, device=device)
@@ -219,7 +226,7 @@ def set_threads(threads: int, backends) -> None:
 def cases(args):
     """``(dtype name, dist, op, density)`` for every case of one size."""
     for dtype_name, dist, op in itertools.product(args.dtypes, args.dists, args.ops):
-        for density in [None] if op.startswith("twobit") else args.densities:
+        for density in [None] if not op.startswith("topk") else args.densities:
             yield dtype_name, dist, op, density
 
 

@@ -120,6 +120,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         scales = torch.ones(count, device=device)
         check(f"chunk 2-bit {count} scales", lambda out: chunk(codes, scales, out), True)
     check("chunk 2-bit padding bits set", lambda out: chunk(codes, torch.ones(2, device=device), out), False)
+    threebit = kernel("threebit_decompress_add", device, args.backend)
+    words3, chunks3 = -(-N // 10), -(-N // 128)
+    for count in (0, words3 - 1, words3 + 1, 100):
+        codes = torch.full((count,), -1, dtype=torch.int32, device=device)
+        check(f"3-bit {count} code words", lambda out: threebit(codes, torch.ones(chunks3, device=device), out), True)
+    codes = torch.full((words3,), -1, dtype=torch.int32, device=device)  # every spare bit set: never read
+    for count in (0, chunks3 + 1):
+        check(f"3-bit {count} scales", lambda out: threebit(codes, torch.ones(count, device=device), out), True)
+    check("3-bit spare bits set", lambda out: threebit(codes, torch.ones(chunks3, device=device), out), False)
     for problem in failures:
         print("  FAIL", problem)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device} ({args.backend})"

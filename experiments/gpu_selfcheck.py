@@ -101,7 +101,8 @@ def check_correctness(
                     start = make_values("special", n, device, seed + 2)
                     what = f"{dtype_name} n={n} {kind} residual={mode}"
                     compared = _compare_twobit(kernels, reference, grad, residual, mode, start, device)
-                    compared += _compare_twobit_chunk(kernels, reference, grad, residual, mode, start, device)
+                    for code in SCALED_CODES:
+                        compared += _compare_scaled(kernels, reference, code, grad, residual, mode, start, device)
                     for k in sorted({1, max(1, n // 100), n}):  # top-k for k = 1, 1% and n
                         if k == n and n > 100_000:
                             continue  # the reference's int64 sort of everything is slow
@@ -138,23 +139,29 @@ def _compare_twobit(kernels, reference, grad, residual, mode: str, start, device
             ("twobit_decompress_add", mismatches(out, ref_out))]
 
 
-def _compare_twobit_chunk(kernels, reference, grad, residual, mode: str, start, device):
-    """``[(what, elements that differ)]`` of chunk-scaled 2-bit (a scale per 64 elements)."""
+#: The codes with a scale per chunk: (op prefix, elements per int32 code word, elements per scale).
+SCALED_CODES = (("twobit_chunk", 16, 64), ("threebit", 10, 128))
+
+
+def _compare_scaled(kernels, reference, code, grad, residual, mode: str, start, device):
+    """``[(what, elements that differ)]`` of a chunk-scaled code (:data:`SCALED_CODES`): 2-bit with a
+    scale per 64 elements, 3-bit with a scale per 128."""
+    prefix, per_word, chunk = code
     n = grad.numel()
-    ref_codes = torch.empty((n + 15) // 16, dtype=torch.int32, device=device)
-    ref_scales = torch.empty((n + 63) // 64, device=device)
+    ref_codes = torch.empty(-(-n // per_word), dtype=torch.int32, device=device)
+    ref_scales = torch.empty(-(-n // chunk), device=device)
     ref_residual = torch.empty(n, device=device)
-    reference["twobit_chunk_compress"](grad, residual, ref_residual, ref_codes, ref_scales)
+    reference[f"{prefix}_compress"](grad, residual, ref_residual, ref_codes, ref_scales)
     codes, scales = torch.full_like(ref_codes, -1), torch.full_like(ref_scales, -1.0)
     residual_in, residual_out = _outputs(residual, mode, n, device)
-    kernels["twobit_chunk_compress"](grad, residual_in, residual_out, codes, scales)
+    kernels[f"{prefix}_compress"](grad, residual_in, residual_out, codes, scales)
     ref_out, out = start.clone(), start.clone()
-    reference["twobit_chunk_decompress_add"](ref_codes, ref_scales, ref_out)
-    kernels["twobit_chunk_decompress_add"](codes, scales, out)
-    return [("twobit_chunk_compress codes", mismatches(codes, ref_codes)),
-            ("twobit_chunk_compress scales", mismatches(scales, ref_scales)),
-            ("twobit_chunk_compress residual", mismatches(residual_out, ref_residual)),
-            ("twobit_chunk_decompress_add", mismatches(out, ref_out))]
+    reference[f"{prefix}_decompress_add"](ref_codes, ref_scales, ref_out)
+    kernels[f"{prefix}_decompress_add"](codes, scales, out)
+    return [(f"{prefix}_compress codes", mismatches(codes, ref_codes)),
+            (f"{prefix}_compress scales", mismatches(scales, ref_scales)),
+            (f"{prefix}_compress residual", mismatches(residual_out, ref_residual)),
+            (f"{prefix}_decompress_add", mismatches(out, ref_out))]
 
 
 def _compare_topk(kernels, reference, grad, residual, mode: str, start, k: int, device):
@@ -245,6 +252,8 @@ def benchmark(device, kernels, reference, sizes: List[int], density: float, repe
             residual = torch.randn(n, device=device) * 0.1
             codes = torch.empty((n + 15) // 16, dtype=torch.int32, device=device)
             scales = torch.empty((n + 63) // 64, device=device)
+            codes3 = torch.empty(-(-n // 10), dtype=torch.int32, device=device)
+            scales3 = torch.empty(-(-n // 128), device=device)
             values = torch.empty(k, dtype=dtype, device=device)
             indices = torch.empty(k, dtype=torch.int32, device=device)
             out = torch.zeros(n, device=device)
@@ -260,13 +269,18 @@ def benchmark(device, kernels, reference, sizes: List[int], density: float, repe
                     n * (g + 8) + 4 * codes.numel() + 4 * scales.numel()),
                 "twobit_chunk_decompress_add": (lambda ops: ops["twobit_chunk_decompress_add"](codes, scales, out),
                                                 4 * codes.numel() + 4 * scales.numel() + 8 * n),
+                "threebit_compress": (
+                    lambda ops: ops["threebit_compress"](grad, residual, residual, codes3, scales3),
+                    n * (g + 8) + 4 * codes3.numel() + 4 * scales3.numel()),
+                "threebit_decompress_add": (lambda ops: ops["threebit_decompress_add"](codes3, scales3, out),
+                                            4 * codes3.numel() + 4 * scales3.numel() + 8 * n),
                 "topk_compress": (lambda ops: ops["topk_compress"](grad, residual, residual, values, indices),
                                   n * (g + 8) + k * (g + 4)),
                 "topk_decompress_add": (lambda ops: ops["topk_decompress_add"](values, indices, out),
                                         k * (g + 4 + 8)),
             }
             for op, (call, nbytes) in cases.items():
-                if op.endswith("decompress_add") and op.startswith("twobit") and dtype_name != "f32":
+                if op.endswith("decompress_add") and not op.startswith("topk") and dtype_name != "f32":
                     continue  # dtype-independent
                 cuda_s = time_gpu(lambda: call(kernels), repeats)
                 torch_s = time_gpu(lambda: call(reference), repeats)

@@ -2,7 +2,7 @@
 
 The public API is :data:`__all__`:
 
-* the compressors (``TopK``, ``TwoBit``, ``Identity``, ``FP16``, ``BF16``, their base
+* the compressors (``TopK``, ``TwoBit``, ``ThreeBit``, ``Identity``, ``FP16``, ``BF16``, their base
   ``Compressor``) and ``from_spec`` (``"topk:0.01"`` -> ``TopK(density=0.01)``);
 * ``register(model, compressor, optimizer=..., total_steps=...)``: compress a DDP model's
   gradients in one call, with the recipe for the optimizer derived from the run;
@@ -21,7 +21,7 @@ Importing this package needs only torch; numba and cupy are loaded by the kernel
 first use, Horovod only by :mod:`gradcomp.hooks.horovod`.
 """
 from gradcomp import schedule  # noqa: F401  the module, as gradcomp.schedule
-from gradcomp.compressors import BF16, FP16, Compressor, Identity, TopK, TwoBit, from_spec
+from gradcomp.compressors import BF16, FP16, Compressor, Identity, ThreeBit, TopK, TwoBit, from_spec
 from gradcomp.engine import SettingsMismatchError
 from gradcomp.optim import FrozenVarianceAdam
 from gradcomp.policy import Auto
@@ -35,7 +35,7 @@ from gradcomp.hooks.ddp import register  # noqa: E402  isort: skip
 __version__ = "0.1.0"
 
 __all__ = [
-    "Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "from_spec",
+    "Compressor", "TopK", "TwoBit", "ThreeBit", "Identity", "FP16", "BF16", "from_spec",
     "register", "Auto",
     "DenseWarmup", "SparsityRamp", "recommended",
     "FrozenVarianceAdam", "RecipeNotice",

@@ -139,8 +139,8 @@ def test_twobit_residual_with_feedback_in_low_precision():
 
 
 # -- all compressors --------------------------------------------------------------------------
-ALL = [gradcomp.TopK(0.05), gradcomp.TwoBit(0.5), gradcomp.TwoBit("chunk"), gradcomp.Identity(), gradcomp.FP16(),
-       gradcomp.BF16()]
+ALL = [gradcomp.TopK(0.05), gradcomp.TwoBit(0.5), gradcomp.TwoBit("chunk"), gradcomp.ThreeBit(), gradcomp.Identity(),
+       gradcomp.FP16(), gradcomp.BF16()]
 
 
 @pytest.mark.parametrize("compressor", ALL, ids=repr)

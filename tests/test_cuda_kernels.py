@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -30,7 +31,7 @@ from hypothesis import strategies as st
 
 import gradcomp.backends
 import gradcomp.csrc
-from gradcomp.backends import cuda_source, torch_ops
+from gradcomp.backends import checks, cuda_source, torch_ops
 
 TESTS_DIR = Path(__file__).resolve().parent
 SOURCE_DIR = Path(gradcomp.csrc.__file__).resolve().parent
@@ -283,6 +284,9 @@ def test_cuda_module_is_compiled_with_ieee_arithmetic():
     text = image.decode()
     assert kind == "ptx" and ".entry gradcomp_twobit_decompress_add" in text
     assert ".ftz" not in text and "fma." not in text
+    # 3-bit divides by its chunk's scale: IEEE division, not the approximate one (-prec-div=true).
+    assert ".entry gradcomp_threebit_compress_f32" in text and "div.rn.f32" in text
+    assert "div.approx" not in text and "div.full" not in text
     assert "add.f32" in text or "add.rn.f32" in text  # there is float arithmetic to look at
 
 
@@ -548,6 +552,9 @@ def test_emulation_executes_every_cuda_kernel(emulator):
         codes, scales = torch.empty(3, dtype=torch.int32), torch.empty(1)  # the chunk-scaled 2-bit code
         cuda_ops.plan_twobit_chunk_compress(launcher, TINY, grad, residual_in, residual_out.tensor, codes, scales)
         cuda_ops.plan_twobit_chunk_decompress_add(launcher, TINY, codes, scales, torch.zeros(40))
+        codes, scales = torch.empty(4, dtype=torch.int32), torch.empty(1)  # the 3-bit code
+        cuda_ops.plan_threebit_compress(launcher, TINY, grad, residual_in, residual_out.tensor, codes, scales)
+        cuda_ops.plan_threebit_decompress_add(launcher, TINY, codes, scales, torch.zeros(40))
     assert launcher.kernel_names, "the emulation found no kernels"
     assert set(launcher.launches) == set(launcher.kernel_names)
 
@@ -559,6 +566,11 @@ def test_emulation_cuda_host_constants_match_kernels(emulator):
     assert sum(bits for _, bits in passes) == 31, "the passes must cover the 31-bit key"
     assert all(shift == sum(bits for _, bits in passes[i + 1 :]) for i, (shift, _) in enumerate(passes))
     assert max(bits for _, bits in passes) <= 11, "GRADCOMP_TOPK_MAX_BINS is 2048"
+    source = (SOURCE_DIR / "threebit.cu").read_text()
+    chunk = int(re.search(r"#define GRADCOMP_THREEBIT_CHUNK (\d+)", source).group(1))
+    tile_chunks = int(re.search(r"#define GRADCOMP_THREEBIT_TILE_CHUNKS (\d+)", source).group(1))
+    assert chunk == checks.THREEBIT_CHUNK == cuda_ops.THREEBIT_THREADS
+    assert chunk * tile_chunks == cuda_ops.THREEBIT_TILE and cuda_ops.THREEBIT_TILE % checks.THREEBIT_PER_WORD == 0
 
 
 def test_emulation_rejects_mistyped_cuda_kernel_arguments(emulator):

@@ -43,7 +43,7 @@ def topk_payload(n=100, ratio=0.1, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "compressor", [gradcomp.TopK(0.1), gradcomp.TopK(1.0), gradcomp.TwoBit(0.5), gradcomp.TwoBit("chunk"),
-                   gradcomp.FP16(), gradcomp.Identity()], ids=repr
+                   gradcomp.ThreeBit(), gradcomp.FP16(), gradcomp.Identity()], ids=repr
 )
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
 def test_every_payload_a_compressor_produces_is_valid(compressor, dtype, n):
@@ -219,9 +219,10 @@ def ops_for(backend, request):
             "twobit_decompress_add": lambda c, t, out: plans.plan_twobit_decompress_add(launch, config, c, t, out),
             "topk_compress": lambda g, ri, ro, v, i: plans.plan_topk_compress(launch, config, g, ri, ro, v, i),
             "twobit_compress": lambda g, ri, ro, t, c: plans.plan_twobit_compress(launch, config, g, ri, ro, t, c),
+            "threebit_decompress_add": lambda c, s, out: plans.plan_threebit_decompress_add(launch, config, c, s, out),
         }
     return {op: KERNELS[(op, backend)] for op in ("topk_decompress_add", "twobit_decompress_add", "topk_compress",
-                                                  "twobit_compress")}
+                                                  "twobit_compress", "threebit_decompress_add")}
 
 
 class GuardedOut:
@@ -317,6 +318,23 @@ def test_twobit_decoders_reject_truncated_and_oversized_codes(backend, request):
     decode(torch.full((7,), -1, dtype=torch.int32), 0.5, out.tensor)
     out.assert_guards_intact(backend)
     assert torch.isnan(out.tensor).all()  # every code 0b11 decodes to NaN
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_threebit_decoder_rejects_wrong_sizes_and_never_reads_spare_bits(backend, request):
+    decode = ops_for(backend, request)["threebit_decompress_add"]
+    out = GuardedOut(N)
+    for words in (0, 9, 11, 100):  # ceil(100 / 10) = 10
+        with pytest.raises(ValueError, match="codes must have 10 elements"):
+            decode(torch.full((words,), -1, dtype=torch.int32), torch.ones(1), out.tensor)
+    for chunks in (0, 2):  # ceil(100 / 128) = 1
+        with pytest.raises(ValueError, match="scales must have 1 elements"):
+            decode(torch.zeros(10, dtype=torch.int32), torch.ones(chunks), out.tensor)
+    out.assert_untouched(backend)
+    # Every spare bit set: the decoder reads only each element's three bits.
+    decode(torch.full((10,), -1, dtype=torch.int32), torch.ones(1), out.tensor)
+    out.assert_guards_intact(backend)
+    assert torch.isnan(out.tensor).all()  # every code 0b111 decodes to NaN
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

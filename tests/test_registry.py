@@ -34,7 +34,7 @@ def test_from_spec_builds_the_named_compressor_with_a_canonical_spec(text):
 
 
 def test_the_known_names_are_registered_once():
-    assert set(registered()) == {"topk", "twobit", "identity", "fp16", "bf16"}
+    assert set(registered()) == {"topk", "twobit", "threebit", "identity", "fp16", "bf16"}
     assert registered()["topk"] is TopK
     spec_name("topk", params=("density",))(TopK)  # the same class again: a no-op
     with pytest.raises(ValueError, match="already registered"):
@@ -66,7 +66,7 @@ def test_spec_survives_pickle_and_is_a_plain_string():
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("topkk:0.01", r"unknown compressor 'topkk'.*known: bf16, fp16, identity, topk, twobit"),
+        ("topkk:0.01", r"unknown compressor 'topkk'.*known: bf16, fp16, identity, threebit, topk, twobit"),
         ("", "unknown compressor ''"),
         ("topk:", "nothing after ':'"),
         ("topk:0.1,,", "empty argument"),

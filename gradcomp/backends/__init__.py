@@ -10,6 +10,8 @@ op                       signature (all tensors 1-D and contiguous)
 ``twobit_decompress_add````(codes, threshold, out)``
 ``twobit_chunk_compress````(grad, residual_in, residual_out, codes, scales)``
 ``twobit_chunk_decompress_add`` ``(codes, scales, out)``
+``threebit_compress``    ``(grad, residual_in, residual_out, codes, scales)``
+``threebit_decompress_add`` ``(codes, scales, out)``
 ``topk_compress``        ``(grad, residual_in, residual_out, values, indices)``
 ``topk_decompress_add``  ``(values, indices, out)``
 =======================  ===========================================================
@@ -48,6 +50,20 @@ and the codes are ``0b01`` (``keep``, ``acc > 0``: ``+alpha``), ``0b10`` (``keep
 ``-alpha``), ``0b11`` (non-finite: NaN) or ``0b00`` (0); the residual is ``acc - decoded`` (``acc``
 for codes ``0b00`` and ``0b11``). Decoding adds ``+alpha``, ``-alpha``, ``+0.0`` or NaN.
 
+Chunk-scaled 3-bit (``threebit_*``): seven levels ``q * s``, ``q`` in ``[-3, 3]``, with a scale per
+chunk of 128 elements (``scales`` float32 ``[ceil(n / 128)]``). Element ``i`` lives in
+``codes[i // 10]`` (int32) at bits ``3 * (i % 10)`` to ``3 * (i % 10) + 2``; bits 30 and 31 of every
+word, and the bits past element ``n - 1`` of the last word, are zero. For chunk ``c``, with
+``m_i = |acc_i|`` (0 for a non-finite ``acc_i``), in float32::
+
+    s      = (max m_i) / 3.0f
+    q_i    = min(max(rint(acc_i / s), -3), 3)    (round half to even; 0 when s == 0)
+    code_i = q_i + 3                             (7 when acc_i is not finite)
+    decoded_i = float(code_i - 3) * s            (NaN for code 7)
+
+and the residual is ``acc_i - decoded_i`` (``acc_i`` for code 7). A maximum, unlike a sum, is exact
+in any order, so the backends agree without a prescribed reduction tree.
+
 Top-k. ``k = values.numel()``. The selection is the ``k`` entries of largest ``|acc|``,
 where magnitude is ordered by the bits of ``|acc|`` read as an unsigned integer (so NaN >
 inf > every finite value, as in ``torch.topk``), ties broken towards the lower index.
@@ -63,8 +79,9 @@ selected indices are written in ascending order (int32, or int64 when ``n >= 2**
 Untrusted input. Decoders read payloads that came from other processes, so every op of
 every backend checks its arguments first (:mod:`gradcomp.backends.checks`: dtypes raise
 ``TypeError``; shapes and sizes -- residuals of ``n``, ``k`` indices for ``k`` values,
-``k <= n``, ``ceil(n / 16)`` code words, ``ceil(n / 64)`` chunk scales -- raise ``ValueError``), before anything is
-written. ``topk_decompress_add`` also rejects indices that do not strictly increase
+``k <= n``, ``ceil(n / 16)`` code words, ``ceil(n / 64)`` chunk scales, ``ceil(n / 10)`` 3-bit
+words and ``ceil(n / 128)`` their scales -- raise ``ValueError``), before anything is written.
+``topk_decompress_add`` also rejects indices that do not strictly increase
 inside ``[0, n)`` (out of range, negative, duplicate or unsorted) with ``ValueError`` and
 writes nothing; the numba and CUDA kernels check inside the kernel (``n`` is passed to
 them) and the CUDA decoder also skips any index outside ``[0, n)`` by itself. Padding bits
@@ -82,7 +99,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 OPS = ("twobit_compress", "twobit_decompress_add", "twobit_chunk_compress", "twobit_chunk_decompress_add",
-       "topk_compress", "topk_decompress_add")
+       "threebit_compress", "threebit_decompress_add", "topk_compress", "topk_decompress_add")
 BACKENDS = ("torch", "numba", "cuda")
 ENV_VAR = "GRADCOMP_BACKEND"
 

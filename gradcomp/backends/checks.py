@@ -83,6 +83,28 @@ def check_twobit_chunk_decompress_add(codes, scales, out) -> int:
     return n
 
 
+#: Elements per scale of the chunk-scaled 3-bit code, and its codes per int32 word.
+THREEBIT_CHUNK = 128
+THREEBIT_PER_WORD = 10
+
+
+def check_threebit_compress(grad, residual_in, residual_out, codes, scales) -> int:
+    """Returns ``n``; ``codes`` int32 ``[ceil(n / 10)]``, ``scales`` float32 ``[ceil(n / 128)]``."""
+    n = check_compress("threebit_compress", grad, residual_in, residual_out)
+    check_vector("threebit_compress", "codes", codes, (torch.int32,), -(-n // THREEBIT_PER_WORD))
+    check_vector("threebit_compress", "scales", scales, (torch.float32,), -(-n // THREEBIT_CHUNK))
+    return n
+
+
+def check_threebit_decompress_add(codes, scales, out) -> int:
+    """Returns ``n = out.numel()``; ``codes`` int32 ``[ceil(n / 10)]``, ``scales`` float32 ``[ceil(n / 128)]``."""
+    check_vector("threebit_decompress_add", "out", out, (torch.float32,))
+    n = out.numel()
+    check_vector("threebit_decompress_add", "codes", codes, (torch.int32,), -(-n // THREEBIT_PER_WORD))
+    check_vector("threebit_decompress_add", "scales", scales, (torch.float32,), -(-n // THREEBIT_CHUNK))
+    return n
+
+
 def check_topk_compress(grad, residual_in, residual_out, values, indices) -> Tuple[int, int]:
     """Returns ``(n, k)``: ``k = values.numel() <= n`` and ``k`` indices."""
     op = "topk_compress"

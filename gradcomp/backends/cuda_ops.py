@@ -136,6 +136,29 @@ def plan_twobit_chunk_decompress_add(launch: Launch, config: LaunchConfig, codes
            (_ptr(codes), _ptr(scales), _ptr(out), numpy.int64(n)))
 
 
+#: Threads per block of the 3-bit compress kernel: one per element of its 128-element chunk
+#: (``csrc/threebit.cu``); a block takes 640 elements, 64 whole code words, at a time.
+THREEBIT_THREADS = 128
+THREEBIT_TILE = 640
+
+
+def plan_threebit_compress(launch: Launch, config: LaunchConfig, grad, residual_in, residual_out, codes, scales):
+    n = checks.check_threebit_compress(grad, residual_in, residual_out, codes, scales)
+    if n == 0:
+        return
+    launch(f"gradcomp_threebit_compress_{_DTYPE_SUFFIX[grad.dtype]}", min(-(-n // THREEBIT_TILE), config.max_blocks),
+           THREEBIT_THREADS, (_ptr(grad), _ptr(residual_in), _ptr(residual_out), _ptr(codes), _ptr(scales),
+                              numpy.int64(n)))
+
+
+def plan_threebit_decompress_add(launch: Launch, config: LaunchConfig, codes, scales, out):
+    n = checks.check_threebit_decompress_add(codes, scales, out)
+    if n == 0:
+        return
+    launch("gradcomp_threebit_decompress_add", config.blocks(n), config.threads,
+           (_ptr(codes), _ptr(scales), _ptr(out), numpy.int64(n)))
+
+
 def plan_topk_compress(launch: Launch, config: LaunchConfig, grad, residual_in, residual_out, values, indices):
     n, k = checks.check_topk_compress(grad, residual_in, residual_out, values, indices)
     checks.check_vector("topk_compress", "values", values, (grad.dtype,))  # the kernels store grad's type
@@ -343,3 +366,14 @@ def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> Non
 @implements("twobit_chunk_decompress_add", "cuda")
 def twobit_chunk_decompress_add(codes, scales, out) -> None:
     _run_on_device(plan_twobit_chunk_decompress_add, (codes, scales, out), codes, scales, out)
+
+
+@implements("threebit_compress", "cuda")
+def threebit_compress(grad, residual_in, residual_out, codes, scales) -> None:
+    _run_on_device(plan_threebit_compress, (grad, residual_in, residual_out, codes, scales),
+                   grad, residual_in, residual_out, codes, scales)
+
+
+@implements("threebit_decompress_add", "cuda")
+def threebit_decompress_add(codes, scales, out) -> None:
+    _run_on_device(plan_threebit_decompress_add, (codes, scales, out), codes, scales, out)

@@ -137,14 +137,23 @@ def chunk_scales(acc: torch.Tensor):
     return keep.reshape(-1)[:n], alpha
 
 
-def pack_codes(code: torch.Tensor, codes: torch.Tensor) -> None:
-    """Pack int64 2-bit ``code`` ``[n]`` into int32 ``codes`` (16 to a word, element ``i`` at bits ``2 * (i % 16)``)."""
+def pack_codes(code: torch.Tensor, codes: torch.Tensor, bits: int = 2) -> None:
+    """Pack int64 ``bits``-bit ``code`` ``[n]`` into int32 ``codes``, ``32 // bits`` to a word, element ``i``
+    at bits ``bits * (i % (32 // bits))`` (the word's spare high bits stay zero)."""
+    per_word = 32 // bits
     words = codes.numel()
-    padded = torch.zeros(words * 16, dtype=torch.int64, device=code.device)
+    padded = torch.zeros(words * per_word, dtype=torch.int64, device=code.device)
     padded[: code.numel()] = code
-    shifts = torch.arange(16, device=code.device, dtype=torch.int64) * 2
-    packed = (padded.view(words, 16) << shifts).sum(dim=1)  # fits in 32 bits, unsigned
+    shifts = torch.arange(per_word, device=code.device, dtype=torch.int64) * bits
+    packed = (padded.view(words, per_word) << shifts).sum(dim=1)  # fits in 32 bits, unsigned
     codes.copy_(torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32))
+
+
+def unpack_codes(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """The int64 ``bits``-bit codes ``[n]`` of int32 ``codes`` (the inverse of :func:`pack_codes`)."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, device=codes.device, dtype=torch.int64) * bits
+    return ((codes.to(torch.int64).unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
 
 
 @implements("twobit_chunk_compress", "torch")
@@ -171,8 +180,49 @@ def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> Non
 def twobit_chunk_decompress_add(codes, scales, out) -> None:
     checks.check_twobit_chunk_decompress_add(codes, scales, out)
     n = out.numel()
-    shifts = torch.arange(16, device=codes.device, dtype=torch.int64) * 2
-    code = ((codes.to(torch.int64).unsqueeze(1) >> shifts) & 3).reshape(-1)[:n]
+    code = unpack_codes(codes, n, 2)
     a = scales.repeat_interleave(CHUNK)[:n]
     nan = torch.full_like(a, float("nan"))
     out.add_(torch.where(code == 1, a, torch.where(code == 2, -a, torch.where(code == 0, torch.zeros_like(a), nan))))
+
+
+_THREEBIT_LEVELS, _THREEBIT_NONFINITE = 3, 7
+
+
+def threebit_scales(acc: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[ceil(n / 128)]``: each chunk's largest finite ``|acc|`` divided by 3 (0 if none)."""
+    n, chunk = acc.numel(), checks.THREEBIT_CHUNK
+    chunks = -(-n // chunk)
+    magnitude = torch.zeros(chunks * chunk, dtype=torch.float32, device=acc.device)
+    magnitude[:n] = torch.where(torch.isfinite(acc), acc.abs(), torch.zeros_like(acc))
+    return magnitude.view(chunks, chunk).amax(dim=1) / torch.tensor(float(_THREEBIT_LEVELS), dtype=torch.float32)
+
+
+def threebit_decoded(code: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``float(code - 3) * s`` element by element, NaN for code 7 (int64 ``code``, float32 ``s``, ``[n]``)."""
+    value = (code - _THREEBIT_LEVELS).to(torch.float32) * s
+    return torch.where(code == _THREEBIT_NONFINITE, torch.full_like(s, float("nan")), value)
+
+
+@implements("threebit_compress", "torch")
+def threebit_compress(grad, residual_in, residual_out, codes, scales) -> None:
+    n = checks.check_threebit_compress(grad, residual_in, residual_out, codes, scales)
+    acc = compensate(grad, residual_in)
+    scale = threebit_scales(acc)
+    scales.copy_(scale)
+    s = scale.repeat_interleave(checks.THREEBIT_CHUNK)[:n]
+    finite = torch.isfinite(acc)
+    quantized = torch.round(acc / torch.where(s > 0, s, torch.ones_like(s))).clamp(-_THREEBIT_LEVELS, _THREEBIT_LEVELS)
+    q = torch.where(finite & (s > 0), quantized, torch.zeros_like(acc))
+    code = torch.where(finite, q.to(torch.int64) + _THREEBIT_LEVELS, torch.full_like(q, _THREEBIT_NONFINITE,
+                                                                                      dtype=torch.int64))
+    if residual_out is not None:
+        residual_out.copy_(torch.where(finite, acc - threebit_decoded(code, s), acc))
+    pack_codes(code, codes, bits=3)
+
+
+@implements("threebit_decompress_add", "torch")
+def threebit_decompress_add(codes, scales, out) -> None:
+    n = checks.check_threebit_decompress_add(codes, scales, out)
+    s = scales.repeat_interleave(checks.THREEBIT_CHUNK)[:n]
+    out.add_(threebit_decoded(unpack_codes(codes, n, 3), s))

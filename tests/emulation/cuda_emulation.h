@@ -11,14 +11,17 @@
 //
 // Not emulated (the kernels must not use them): warp intrinsics (__shfl*, __ballot*,
 // __any/__all, __activemask), cooperative groups, dynamic shared memory, inter-block
-// waiting, textures, and device float arithmetic quirks (the kernels only add, subtract
-// and compare floats, which IEEE-754 makes bit-identical on both sides).
+// waiting, textures, and device float arithmetic quirks (the kernels only add, subtract,
+// multiply, divide, round to an integer and compare floats, which IEEE-754 makes bit-identical
+// on both sides once the GPU build keeps denormals and exact division: cuda_source.NVRTC_OPTIONS).
 #ifndef GRADCOMP_CUDA_EMULATION_H
 #define GRADCOMP_CUDA_EMULATION_H
 
 #define GRADCOMP_EMULATION 1
 
 #include <cstring>
+// CUDA's exact device math (rintf, fminf, fmaxf): the C library's are exact too (IEEE-754).
+#include <math.h>
 
 #ifndef __global__
 #define __global__

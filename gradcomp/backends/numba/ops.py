@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from gradcomp.backends import checks, implements
-from gradcomp.backends.numba import topk, topk_decode, twobit, twobit_chunk
+from gradcomp.backends.numba import threebit, topk, topk_decode, twobit, twobit_chunk
 from gradcomp.backends.numba.concurrency import serialized
 
 # Half-precision tensors cross into Numba as their bits; the integer dtype names the format.
@@ -70,6 +70,21 @@ def twobit_chunk_compress(grad, residual_in, residual_out, codes, scales) -> Non
 def twobit_chunk_decompress_add(codes, scales, out) -> None:
     checks.check_twobit_chunk_decompress_add(codes, scales, out)
     twobit_chunk.decompress_add_kernel(as_array(codes).view(np.uint32), as_array(scales), as_array(out))
+
+
+@implements("threebit_compress", "numba")
+@serialized
+def threebit_compress(grad, residual_in, residual_out, codes, scales) -> None:
+    checks.check_threebit_compress(grad, residual_in, residual_out, codes, scales)
+    threebit.compress_kernel(as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out),
+                             as_array(codes).view(np.uint32), as_array(scales))
+
+
+@implements("threebit_decompress_add", "numba")
+@serialized
+def threebit_decompress_add(codes, scales, out) -> None:
+    checks.check_threebit_decompress_add(codes, scales, out)
+    threebit.decompress_add_kernel(as_array(codes).view(np.uint32), as_array(scales), as_array(out))
 
 
 @implements("topk_compress", "numba")
