@@ -10,6 +10,15 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   ``t`` a step; with the chunk's own level 2-bit went from +27-32% above dense held-out loss to
   +0.2-0.9% on three of the four cells. A ``TwoBit`` of another threshold given to the recipe is
   replaced by it, with a notice.
+* **2-bit under SGD is the 3-bit code** (``ThreeBit()``): seven levels ``q * s`` with ``s`` the largest
+  magnitude of each 128 elements / 3, in the same byte budget (1/10 + 1/128 of dense against 1/16 + 1/64,
+  paid for by a shorter dense start). Under SGD-momentum the ternary code lags dense by a steady margin
+  from its first compressed steps; measured at 600 steps in the in-process simulation of 2 ranks (a
+  GPT, seeds 0-2, and charlm-small, seeds 0-4; the study's own runs are in
+  ``experiments/results/convergence/``): the ternary code +13.6 to +16.1% and +11.6% median
+  (worst +25.1%), seven levels -0.4 to +0.8% and +1.7% median (worst +20.7%: charlm-small's SGD-momentum
+  cell is at the edge of stability, dense itself spikes on one seed of five). Under Adam the variance
+  needs the longer dense start that only 2-bit's budget affords.
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
   of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
   the run (Adam's second moment is estimated there, then frozen; a loop that sets the rate by hand
@@ -48,7 +57,7 @@ from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from gradcomp.compressors import Compressor, TopK, TwoBit, from_spec
+from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
 from gradcomp.schedule import DenseWarmup, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
@@ -64,12 +73,14 @@ DENSE_FRACTION = 0.05
 RAMP_MIN_FRACTION = 0.4
 RAMP_FRACTION = 0.75
 #: The byte budget over the whole run, dense start included: dense bytes / bytes sent, at least.
-MIN_COMPRESSION = {"topk": 8.0, "twobit": 8.0}
+MIN_COMPRESSION = {"topk": 8.0, "twobit": 8.0, "threebit": 8.0}
 #: First densities the ramp may start at, densest first (the densest the byte budget affords over the
 #: ramp's shortest length is taken); each next stage halves the density.
 RAMP_STARTS = (1 / 4, 1 / 8, 1 / 16)
 #: The recipe's 2-bit code.
 TWOBIT = "chunk"
+#: The compressors the recipe plans for, by the family name of :data:`MIN_COMPRESSION`.
+_FAMILIES = (("topk", TopK), ("twobit", TwoBit), ("threebit", ThreeBit))
 
 
 @dataclass
@@ -174,12 +185,15 @@ def dense_share(named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], min_
 
 
 def bytes_per_element(compressor: Compressor, density: Optional[float], dense: float) -> float:
-    """Bytes sent per element as a share of dense float32: top-k's values and int32 indices, 2-bit's
-    codes (1/16) and, in the chunk mode, one float32 level per 64 elements (1/64)."""
+    """Bytes sent per element as a share of dense float32: top-k's values and int32 indices at
+    ``density``; a quantizer's codes and scales as its payload layout gives them (2-bit chunk:
+    1/16 + 1/64; 3-bit: 1/10 + 1/128), read at 2^20 elements, where a tensor's last partial word
+    no longer counts."""
     if isinstance(compressor, TopK):
         compressed = 2.0 * (density if density is not None else compressor.density)
-    elif isinstance(compressor, TwoBit):
-        compressed = 1 / 16 + (1 / 64 if compressor.chunked else 0.0)
+    elif isinstance(compressor, (TwoBit, ThreeBit)):
+        numel = 2**20
+        compressed = sum(s.nbytes for s in compressor.layout(numel, torch.float32).segments) / (4 * numel)
     else:
         compressed = 1.0
     return dense + (1 - dense) * compressed
@@ -270,7 +284,12 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
                "(measured: +27-32% held-out loss over dense with a per-tensor threshold, +0.2-0.9% with the "
                "chunk's own level)", announce)
         compressor = TwoBit(TWOBIT)
-    family = "topk" if isinstance(compressor, TopK) else "twobit" if isinstance(compressor, TwoBit) else None
+    if isinstance(compressor, TwoBit) and isinstance(optimizer, torch.optim.SGD):
+        notice("recipe: under SGD 2-bit runs as ThreeBit(), seven levels with a scale per 128 elements, in the "
+               "same byte budget (measured under SGD-momentum, 600 steps: the ternary code ended +13.6-16.1% above "
+               "dense on a GPT and +11.6% median on charlm-small; seven levels -0.4-+0.8% and +1.7%)", announce)
+        compressor = ThreeBit()
+    family = next((name for name, kind in _FAMILIES if isinstance(compressor, kind)), None)
     if family is None:  # casts: no residual, no recipe needed beyond DDP's rebuild
         return Plan(compressor, total_steps, 2, PlannedSchedule(DenseWarmup(2), total_steps, announce), None,
                     "no error feedback (a cast)", notes=("casts need no recipe",))

@@ -5,7 +5,7 @@ import sys
 import gradcomp
 
 PUBLIC = {
-    "Compressor", "TopK", "TwoBit", "Identity", "FP16", "BF16", "from_spec", "register", "Auto",
+    "Compressor", "TopK", "TwoBit", "ThreeBit", "Identity", "FP16", "BF16", "from_spec", "register", "Auto",
     "DenseWarmup", "SparsityRamp", "recommended", "FrozenVarianceAdam", "RecipeNotice", "PayloadError",
     "SettingsMismatchError",
 }  # fmt: skip
