@@ -61,21 +61,13 @@ from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
 from gradcomp.schedule import DenseWarmup, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
-__all__ = ["Plan", "plan", "DENSE_FRACTION", "DENSE_START_SHARE", "RAMP_FRACTION", "MIN_COMPRESSION", "PlannedSchedule"]
+__all__ = ["Plan", "plan", "DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION", "PlannedSchedule"]
 
 #: The share of the run that starts dense when the LR warm-up is shorter or unknown, as long as the
 #: byte budget allows it (2-bit's code costs 7.8% of dense, which leaves about 4% of the run for an
 #: 8x budget). PowerSGD starts compressing after about 10% of the steps, 1-bit Adam after the
 #: warm-up; measured on charlm-small (AdamW, 2-bit): a 3% and a 5% dense start ended alike.
 DENSE_FRACTION = 0.05
-#: The share of the byte budget above the final setting that the dense start may take when a sparsity
-#: ramp must be paid from it too; the ramp gets the rest. An even split, not a tuned value: over 600
-#: and 2000 steps the dense start stays where :data:`DENSE_FRACTION` puts it (29 and 99 steps against
-#: 30 and 100 on charlm-small), and without a split a run whose LR warm-up is long next to its length
-#: spent everything on dense steps (the main job's 200 steps, warm-up 20: 19 dense steps, a ramp the
-#: budget no longer afforded, 7.2x fewer bytes and +10.3% held-out loss; with 8 to 12 dense steps 8.0x
-#: and +1.7 to +3.5% on three seeds, AdamW top-k 1%).
-DENSE_START_SHARE = 0.5
 #: The share of the steps after the dense start that the sparsity ramp takes: at least the first,
 #: at most the second; between them the byte budget decides (over 2000 steps it asks for 0.49).
 RAMP_MIN_FRACTION = 0.4
@@ -251,15 +243,20 @@ def _schedule(compressor, total_steps: int, dense_steps: int, budget: float, den
 def _dense_start(compressor, total_steps: int, scheduler, budget: float, dense: float,
                  notes: list) -> int:
     """The dense start: the LR warm-up's end and at least :data:`DENSE_FRACTION` of the run, as far as
-    the byte budget allows (what is left of it once every later step sends the final setting; with a
-    sparsity ramp to pay for too, :data:`DENSE_START_SHARE` of that); 2 at least. A warm-up longer
-    than the budget allows is noted: compression then starts inside it."""
+    the byte budget allows: what is left of it once every later step sends the final setting and, for
+    top-k, once the sparsity ramp has its shortest length from its sparsest start (without that share a
+    run whose warm-up is long next to its length spent the whole budget on dense steps and then ran a
+    ramp it could no longer afford: the main job's 200 steps, warm-up 20, went 19 dense steps, 7.2x
+    fewer bytes, +10.3% held-out loss; 16 dense steps: 8.0x, +2.5 to +5.0% on five seeds, where 8 and
+    12 dense steps blew up on one and two seeds of five). 2 at least. A warm-up longer than the budget
+    allows is noted: compression then starts inside it."""
     warmup_end = lr_peak_step(scheduler, total_steps) if scheduler is not None else 0
     final = bytes_per_element(compressor, None, dense)
-    spare = total_steps * (budget - final)  # in dense steps: what the budget leaves above the final setting
-    if isinstance(compressor, TopK) and compressor.density < RAMP_STARTS[-1]:
-        spare *= DENSE_START_SHARE
-    affordable = int(spare / (1 - final)) if final < 1 else 0
+    affordable = int(total_steps * (budget - final) / (1 - final)) if final < 1 else 0
+    if isinstance(compressor, TopK):
+        while affordable > 2 and not _ramp_from(RAMP_STARTS[-1], compressor, total_steps, affordable, budget,
+                                                 dense)[2]:
+            affordable -= 1
     wanted = max(warmup_end, math.ceil(DENSE_FRACTION * total_steps))
     if warmup_end > affordable:
         notes.append(f"the LR warm-up ends at step {warmup_end}, but the byte budget affords {max(2, affordable)} "

@@ -108,6 +108,23 @@ def test_top_k_ramp_scales_with_the_run_and_keeps_the_byte_budget(total, density
     assert chosen.expected_compression == pytest.approx(total / sent, rel=1e-6)
 
 
+def test_a_short_run_leaves_the_ramp_its_bytes_after_the_dense_start():
+    """200 steps with a 20-step warm-up (the main job's run): all the budget above top-k's final 1% would
+    pay 19 dense steps and no ramp (7.2x fewer bytes); the dense start stops where the ramp from its
+    sparsest start (1/16) still has its shortest length, and the whole run keeps the 8x budget. By
+    hand, in dense steps: 17 dense steps leave 25 - 17 - 183 * 0.02 = 4.34 for the ramp, 27 steps of
+    its three stages at 0.105 + 0.0425 + 0.01125 each, over the shortest 0.4 * 183 / 3 = 24; 18
+    would leave 21 < 24."""
+    named = named_mlp()
+    optimizer = torch.optim.AdamW([p for _, p in named], lr=1e-3)
+    warm = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    with pytest.warns(RecipeNotice, match="warm-up ends at step 19, but the byte budget affords 17"):
+        chosen = plan("topk:0.01", None, 200, warm, named, min_numel=0)
+    assert chosen.dense_steps == 17 and chosen.expected_compression >= 8.0 * 0.999
+    schedule = chosen.schedule.inner
+    assert schedule.densities[0] == 1 / 16 and schedule.stage_steps == 27
+
+
 def test_a_warm_up_longer_than_the_budget_affords_is_cut_short_and_said():
     """The byte budget is the user's promise: a 300-step warm-up of a 1000-step run would leave 3.1x
     fewer bytes with 2-bit, so compression starts at the 50 dense steps the 8x budget affords."""
