@@ -65,13 +65,18 @@ cuda_ops = cuda_emulator.load_cuda_plans()
 TINY = cuda_ops.LaunchConfig(threads=32, max_blocks=3, histogram_blocks=3)
 
 
-@pytest.fixture(scope="module")
-def emulator():
+def build_emulator():
+    """The launcher of every csrc/ kernel on the CPU emulation; skips the test where g++ is missing."""
     try:
         library = cuda_emulator.build(SOURCE_DIR)
     except FileNotFoundError as error:  # no g++
         pytest.skip(f"the CUDA emulation needs a C++20 compiler ({cuda_emulator.CXX}): {error}")
     return cuda_emulator.EmulatedLauncher(library)
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    return build_emulator()
 
 
 # --- comparing with the reference ---------------------------------------------------

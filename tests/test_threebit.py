@@ -19,10 +19,9 @@ from test_cuda_kernels import (
     DTYPE_IDS,
     DTYPES,
     RESIDUAL_MODES,
-    SOURCE_DIR,
     Guarded,
     assert_same,
-    cuda_emulator,
+    build_emulator,
     cuda_ops,
     make_case,
     make_values,
@@ -44,11 +43,7 @@ def chunks(n: int) -> int:
 
 @pytest.fixture(scope="module")
 def emulator():
-    try:
-        library = cuda_emulator.build(SOURCE_DIR)
-    except FileNotFoundError as error:  # no g++
-        pytest.skip(f"the CUDA emulation needs a C++20 compiler ({cuda_emulator.CXX}): {error}")
-    return cuda_emulator.EmulatedLauncher(library)
+    return build_emulator()
 
 
 def reference(grad, residual_in, with_residual: bool):
