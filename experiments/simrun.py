@@ -21,6 +21,7 @@ import os
 import time
 import warnings
 from dataclasses import asdict
+from typing import Optional, Tuple
 
 import torch
 
@@ -88,21 +89,23 @@ def run(spec, log_path: str, world_size: int = 2) -> None:
         train_time = 0.0
         for step in range(spec.steps):
             started = time.perf_counter()
-            loss = _train_step(sim, workload, loop, step, schedulers)
+            loss, grad_norm = _train_step(sim, workload, loop, step, schedulers)
             step_time = (time.perf_counter() - started) / world_size
             train_time += step_time
             engine = sim.engines[0]
             last = engine.stats()["last_step"] if engine is not None else {"bytes_sent": dense_bytes,
                                                                            "dense_bytes": dense_bytes}
             emit({"event": "step", "step": step, "loss": loss, "step_time_s": step_time, "train_time_s": train_time,
-                  "bytes_sent": int(last["bytes_sent"]), "dense_bytes": int(last["dense_bytes"])})
+                  "bytes_sent": int(last["bytes_sent"]), "dense_bytes": int(last["dense_bytes"]),
+                  **({} if grad_norm is None else {"grad_norm": grad_norm})})
             if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps:
                 _evaluate(sim, workload, step, train_time, emit)
         emit({"event": "done", "steps": spec.steps, "train_time_s": train_time})
 
 
-def _train_step(sim, workload, loop, step: int, schedulers) -> float:
-    """One optimizer step of every simulated rank, as the workload's loop does it; rank 0's loss."""
+def _train_step(sim, workload, loop, step: int, schedulers) -> Tuple[float, Optional[float]]:
+    """One optimizer step of every simulated rank, as the workload's loop does it: rank 0's loss and
+    the gradient norm rank 0's clip measured (``None`` without a clip)."""
     from experiments import loop as loops
 
     if loop.manual_lr:
@@ -113,13 +116,14 @@ def _train_step(sim, workload, loop, step: int, schedulers) -> float:
     for m in range(micro):
         batches = [workload.batch(r, step * micro + m, workload.default_batch_size) for r in range(sim.world_size)]
         losses.append(sim.backward(batches, workload.loss, sync=m == micro - 1, scale=1.0 / micro)[0])
+    norms = []
     for replica, optimizer in zip(sim.replicas, sim.optimizers):
-        loops.before_step(loop, replica, optimizer)
+        norms.append(loops.before_step(loop, replica, optimizer))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if schedulers[id(optimizer)] is not None:
             schedulers[id(optimizer)].step()
-    return sum(losses) / micro
+    return sum(losses) / micro, norms[0]
 
 
 @torch.no_grad()

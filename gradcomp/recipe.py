@@ -31,6 +31,13 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   dense included), over at least :data:`RAMP_MIN_FRACTION` and at most
   :data:`RAMP_FRACTION` of the steps after ``D``. A run too short for the budget keeps the ramp and
   says that the budget is missed.
+* **top-k under SGD selects over the whole group** (``granularity="bucket"``): in gradient units the
+  largest entries of the group are the largest first-order decrease, where a share per parameter spends
+  the budget on tensors whose gradients are small. Measured at 1000 steps, SGD-momentum, seed 0: a GPT
+  +17.7% above dense held-out loss with a share per parameter, +9.4% with the group's own top-k; on a
+  GRU, an MLP and a CNN the two ended alike (+1.5%/+1.4%, 0.0/+0.2 accuracy points, -0.2/-0.2 points).
+  Under Adam the stage's update units already put every tensor on one scale, and quantizers scale each
+  chunk themselves, so both keep the engine's default (each parameter on its own).
 * **optimizer stage**: Adam/AdamW gets :class:`~gradcomp.optim.FrozenVarianceAdam` (variance frozen
   at ``D``, compression in Adam's update units; a sparsifier exchanges each rank's first moment, a
   quantizer the gradient). SGD, with or without momentum, needs none: the compressed gradient
@@ -97,6 +104,8 @@ class Plan:
     notes: Sequence[str] = field(default_factory=tuple)
     #: Compressor classes that do not converge with this optimizer stage (a policy must not pick them).
     unsuited: Tuple[type, ...] = ()
+    #: The engine's ``granularity`` the plan asks for (``None``: the engine's default).
+    granularity: Optional[str] = None
 
     @property
     def summary(self) -> str:
@@ -105,7 +114,8 @@ class Plan:
         if isinstance(inner, SparsityRamp):
             stages = inner.stages(self.compressor)
             ramp = f", ramp {'/'.join(f'{d:.4g}' for d in stages)} x {inner.stage_steps} steps"
-        return (f"{self.compressor!r} with {self.optimizer_stage}: {self.dense_steps} dense steps of "
+        whole = ", each group's top-k over the whole group" if self.granularity == "bucket" else ""
+        return (f"{self.compressor!r}{whole} with {self.optimizer_stage}: {self.dense_steps} dense steps of "
                 f"{self.total_steps}{ramp}; about {self.expected_compression:.1f}x fewer bytes than dense")
 
 
@@ -313,11 +323,18 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     transform, stage_name = _optimizer_stage(optimizer, compressor, list(named_parameters), dense_steps, notes,
                                              step_hook)
     result = Plan(compressor, total_steps, dense_steps, PlannedSchedule(schedule, total_steps, announce), transform,
-                  stage_name, expected, tuple(notes))
+                  stage_name, expected, tuple(notes), granularity=_granularity(optimizer, compressor))
     notice(f"recipe: {result.summary}", announce)
     for note in notes:
         notice(f"recipe: {note}", announce)
     return result
+
+
+def _granularity(optimizer, compressor) -> Optional[str]:
+    """``"bucket"`` for top-k under SGD (module docstring), else ``None``."""
+    if isinstance(compressor, TopK) and isinstance(optimizer, torch.optim.SGD):
+        return "bucket"
+    return None
 
 
 def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list, step_hook: bool = True):

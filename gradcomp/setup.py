@@ -189,6 +189,8 @@ def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter
                       step_hook=stage_hook, announce=announce)
         compressor = recipe.compressor
         settings.update(schedule=recipe.schedule, transform=recipe.transform)
+        if recipe.granularity is not None and settings.get("granularity") is None:
+            settings["granularity"] = recipe.granularity
         settings.pop("warmup_steps", None)
         _leave_out_unsuited(settings.get("policy"), recipe)
     elif optimizer is not None or scheduler is not None or min_compression is not None:

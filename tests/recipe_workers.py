@@ -55,8 +55,10 @@ class Run:
             exchange = "momentum" if compressor.sparsifies else "gradient"
             transform = FrozenVarianceAdam(self.optimizer, named, freeze_step=dense_steps, exchange=exchange)
         self.scheduler = self._scheduler()
+        # the recipe's top-k under SGD selects over the whole group
+        granularity = "bucket" if kind == "sgd" and spec.startswith("topk") else "parameter"
         self.state = gc_ddp.register(self.ddp, compressor, schedule=schedule, transform=transform,
-                                     min_numel=MIN_NUMEL)
+                                     min_numel=MIN_NUMEL, granularity=granularity)
 
     def _scheduler(self):
         return torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (LR_WARMUP + 1)))

@@ -165,6 +165,25 @@ def test_optimizer_stages_by_optimizer():
         FrozenVarianceAdam(torch.optim.Adam(params, amsgrad=True), named, freeze_step=5)
 
 
+def test_top_k_under_sgd_selects_over_the_whole_group_and_an_explicit_choice_wins():
+    """In gradient units the group's own top-k is the largest first-order decrease; under Adam (update
+    units) and for quantizers the engine's per-parameter default stays. A user's granularity is kept."""
+    from gradcomp.setup import prepare
+
+    named = named_mlp()
+    params = [p for _, p in named]
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    chosen = plan("topk:0.01", sgd, 1000, None, named)
+    assert chosen.granularity == "bucket" and "over the whole group" in chosen.summary
+    assert prepare("topk:0.01", named, optimizer=sgd, total_steps=1000).settings["granularity"] == "bucket"
+    kept = prepare("topk:0.01", named, optimizer=sgd, total_steps=1000, granularity="parameter")
+    assert kept.settings["granularity"] == "parameter"
+    with pytest.warns(RecipeNotice):
+        assert plan("twobit:chunk", sgd, 1000, None, named).granularity is None
+    adamw = torch.optim.AdamW(params, lr=1e-3)
+    assert "granularity" not in prepare("topk:0.01", named, optimizer=adamw, total_steps=1000).settings
+
+
 def test_stages_take_the_names_of_the_wrapped_or_the_unwrapped_model():
     named = named_mlp()
     for prefix in ("module.", "_orig_mod.", "module._orig_mod."):
@@ -219,8 +238,8 @@ def test_an_early_freeze_is_warned_about():
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_ddp_and_horovod_give_the_same_result_for_the_same_settings(tmp_path):
-    """The recipe through Horovod's drop-in optimizer (a unit per parameter) and through DDP (one
-    bucket, compressed per parameter) exchange the same bytes, so they train to the same weights."""
+    """The recipe through Horovod's drop-in optimizer (one group of every parameter) and through DDP
+    (one bucket) exchange the same bytes, so they train to the same weights."""
     from pathlib import Path
 
     from test_horovod import HOROVOD_ERROR
