@@ -43,7 +43,8 @@ Outputs in ``--out`` (:mod:`experiments.study_report`):
 * ``convergence.md``: the cells (median over seeds) and every run; ``*_loss_vs_step.png``.
 
 Modes: the full study (every workload x optimizer x {dense, topk, twobit}, seeds ``--seeds``; a
-run whose log is complete is skipped, so an interrupted study resumes); ``--quick`` (charlm-tiny, 12
+run whose log is complete and was made by the current code, :mod:`experiments.fingerprint`, is skipped,
+so an interrupted study resumes and a changed recipe runs again); ``--quick`` (charlm-tiny, 12
 steps: the smoke test); ``--only`` filters runs (``workload/optimizer/method``, ``*`` allowed);
 ``--aggregate`` only rebuilds the outputs.
 
@@ -127,15 +128,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _pending(specs: List[RunSpec], runs_dir: str) -> List[RunSpec]:
-    """The runs whose log is neither complete nor being written by another study."""
-    from experiments.study_report import is_complete
+    """The runs whose log is not complete from the current code (:func:`experiments.study_report.is_current`)
+    nor being written by another study."""
+    from experiments.study_report import is_complete, is_current
 
     pending = []
     for spec in specs:
         log_path = os.path.join(runs_dir, spec.stem + ".jsonl")
-        if is_complete(log_path):
+        if is_current(log_path):
             continue
-        if os.path.exists(log_path) and time.time() - os.path.getmtime(log_path) < IN_PROGRESS_S:
+        if is_complete(log_path):
+            print(f"{spec.stem}: its log was made by other code; run again", flush=True)
+        elif os.path.exists(log_path) and time.time() - os.path.getmtime(log_path) < IN_PROGRESS_S:
             print(f"{spec.stem}: being written by another run; skipped", flush=True)
             continue
         pending.append(spec)

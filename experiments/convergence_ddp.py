@@ -43,7 +43,10 @@ class StudyRun(Run):
     def config(self, backend: str) -> dict:
         import torch
 
+        from experiments import fingerprint
+
         return {**asdict(self.args.spec), "buckets": BUCKETS, "engine": "ddp", "loop": self.loop.describe(),
+                "code": fingerprint.code(),
                 "world_size": self.world_size, "batch_size": self.batch_size,
                 "link": os.environ.get("GRADCOMP_LINK", "unshaped"), "torch": torch.__version__,
                 "params": sum(p.numel() for p in self.net.parameters())}

@@ -142,8 +142,11 @@ class FsdpRun(Run):
     def config(self, backend: str) -> dict:
         import torch
 
+        from experiments import fingerprint
+
         job = self.args.job
         return {**job["describe"], "parallel": "fsdp", "engine": "fsdp", "buckets": "fsdp modules",
+                "code": fingerprint.code(),
                 "recipe": self.recipe, "residuals": {k: str(v) for k, v in job["residuals"].items()},
                 "world_size": self.world_size, "kernel_warmup_s": self.kernel_warmup_s, "batch_size": self.batch_size,
                 "loop": self.loop.describe(), "link": os.environ.get("GRADCOMP_LINK", "unshaped"),
@@ -167,7 +170,7 @@ class FsdpRun(Run):
 def run_study(specs, runs_dir: str, args) -> int:
     """Run the convergence study's ``specs`` (:class:`experiments.convergence.RunSpec`) as real FSDP jobs of
     ``args.nproc`` ranks, one after another, unshaped; logs ``<stem>__fsdp.jsonl``. Returns the failures."""
-    from experiments.study_report import is_complete
+    from experiments.study_report import is_complete, is_current
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -177,7 +180,7 @@ def run_study(specs, runs_dir: str, args) -> int:
             print(f"{spec.stem}: {spec.method} does not run under FSDP; skipped", flush=True)
             continue
         log_path = os.path.abspath(os.path.join(runs_dir, spec.stem + "__fsdp.jsonl"))
-        if is_complete(log_path):
+        if is_current(log_path):
             continue
         command = [sys.executable, "-m", "experiments.fsdp_train", "--study-spec", json.dumps(asdict(spec)),
                    "--log", log_path, "--nproc", str(args.nproc), "--max-time", str(args.run_timeout)]

@@ -25,6 +25,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from experiments import fingerprint
+
 __all__ = ["run", "SIMULATED_METHODS", "SPECS"]
 
 SPECS = {"topk": "topk:0.01", "twobit": "twobit:chunk"}
@@ -82,8 +84,8 @@ def run(spec, log_path: str, world_size: int = 2) -> None:
             log.flush()
 
         emit({"event": "config", **asdict(spec), "engine": "simulation", "buckets": "default",
-              "world_size": world_size, "batch_size": workload.default_batch_size, "loop": loop.describe(),
-              "torch": torch.__version__, "link": None,
+              "code": fingerprint.code(), "world_size": world_size, "batch_size": workload.default_batch_size,
+              "loop": loop.describe(), "torch": torch.__version__, "link": None,
               "params": sum(p.numel() for p in sim.replicas[0].parameters())})
         _evaluate(sim, workload, -1, 0.0, emit)
         train_time = 0.0

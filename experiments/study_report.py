@@ -12,7 +12,7 @@ import statistics
 from dataclasses import asdict
 from typing import Dict, List, Optional
 
-__all__ = ["read_log", "is_complete", "summarize", "aggregate", "markdown", "cell_summary"]
+__all__ = ["read_log", "is_complete", "is_current", "summarize", "aggregate", "markdown", "cell_summary"]
 
 def read_log(path: str) -> List[dict]:
     records = []
@@ -33,6 +33,16 @@ def is_complete(path: str) -> bool:
     return any(r.get("event") == "done" for r in read_log(path))
 
 
+def is_current(path: str) -> bool:
+    """Whether the log at ``path`` is complete and was made by the code a run executes now
+    (:func:`experiments.fingerprint.code` in its ``config``); a study reuses only such a log."""
+    from experiments import fingerprint
+
+    records = read_log(path)
+    config = next((r for r in records if r.get("event") == "config"), {})
+    return any(r.get("event") == "done" for r in records) and config.get("code") == fingerprint.code()
+
+
 def summarize(spec, path: str) -> Optional[dict]:
     """One row from a complete log (``None`` if the log is incomplete)."""
     records = read_log(path)
@@ -50,6 +60,7 @@ def summarize(spec, path: str) -> Optional[dict]:
         "buckets": config.get("buckets", "default"),
         "engine": config.get("engine", "ddp"),
         "parallel": config.get("parallel", "ddp"),
+        "code": config.get("code"),
         "final_loss": final["eval_loss"],
         "final_accuracy": final.get("accuracy"),
         "bytes_total": bytes_total,
@@ -191,9 +202,21 @@ def plot(rows: List[dict], out: str, method_order) -> List[str]:
     return written
 
 
+def _kept_rows(out: str, logs: set) -> List[dict]:
+    """The rows of ``out/convergence.json`` whose log is not in ``logs`` (file names): the logs are not
+    committed, so a study continued on another machine keeps the runs made before (each row's ``code``
+    says which code made it)."""
+    path = os.path.join(out, "convergence.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [row for row in json.load(f) if os.path.basename(row.get("log") or "") not in logs]
+
+
 def aggregate(out: str, specs: list, spec_type, method_order) -> List[dict]:
-    """Rows from every complete log in ``out/runs`` (those of ``specs`` first); writes the
-    JSON, the table and the plots."""
+    """Rows from every complete log in ``out/runs`` (those of ``specs`` first), and those of the existing
+    ``convergence.json`` whose log is not here (:func:`_kept_rows`); writes the JSON, the table and the
+    plots."""
     runs_dir = os.path.join(out, "runs")
     rows = []
     seen = set()
@@ -212,6 +235,7 @@ def aggregate(out: str, specs: list, spec_type, method_order) -> List[dict]:
         if row is not None and stem not in seen:
             seen.add(stem)
             rows.append(row)
+    rows += _kept_rows(out, {os.path.basename(r["log"]) for r in rows})
     rows.sort(key=lambda r: (r["workload"], r["optimizer"], method_order(r["method"]), r["seed"]))
     add_dense_comparisons(rows)
     with open(os.path.join(out, "convergence.json"), "w") as f:

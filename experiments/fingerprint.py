@@ -1,0 +1,60 @@
+"""Which code made a study's run: a hash of the source that decides its numbers.
+
+A study resumes from its complete logs (``experiments.convergence``, ``compare --quick``), so a log
+made before a change of the recipe would otherwise be reused as if the new code had made it. Each run
+records :func:`code` in its ``config`` record, and a complete log is reused only when its ``code``
+is the current one (:func:`experiments.study_report.is_current`).
+
+The hash covers the package (``gradcomp/``, ``hooks/``) and the experiments' modules a run executes
+(:data:`RUN_MODULES`), each parsed, with comments and docstrings left out: an edit of prose keeps
+the logs, any edit of code, a constant included, does not.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import glob
+import hashlib
+import os
+from typing import List
+
+__all__ = ["code", "source_hash", "RUN_MODULES"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The experiments' modules whose code shapes a run's numbers (the rest report, plot or launch).
+RUN_MODULES = ("loop", "suite", "workloads", "objectives", "gpt", "images", "methods", "catalog", "simrun",
+               "simulate", "runner", "convergence_ddp", "fsdp_train", "horovod_train")
+
+
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    """``tree`` with the docstring of every module, class and function removed (mutated in place)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                  str):
+                node.body = node.body[1:] or [ast.Pass()]
+    return tree
+
+
+def source_hash(text: str) -> str:
+    """The SHA-256 of a module's syntax tree without comments and docstrings (hex)."""
+    return hashlib.sha256(ast.dump(_without_docstrings(ast.parse(text))).encode()).hexdigest()
+
+
+def _files() -> List[str]:
+    found = []
+    for package in ("gradcomp", "hooks"):
+        found += glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True)
+    found += [os.path.join(ROOT, "experiments", f"{name}.py") for name in RUN_MODULES]
+    return sorted(path for path in found if os.path.exists(path))
+
+
+@functools.lru_cache(maxsize=1)
+def code() -> str:
+    """The fingerprint of the code a run executes now: 16 hex digits."""
+    digest = hashlib.sha256()
+    for path in _files():
+        with open(path, encoding="utf-8") as f:
+            digest.update(os.path.relpath(path, ROOT).encode() + b"\0" + source_hash(f.read()).encode())
+    return digest.hexdigest()[:16]
