@@ -118,8 +118,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=2, help="simulated runs at once (one thread each)")
     parser.add_argument("--link", default="1gbit", help="link of the real-DDP runs (tc syntax) or 'unshaped'")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
-                        help="fsdp: every run as real FSDP2 ranks (experiments.fsdp_train.run_study)")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp", "horovod"), default="ddp",
+                        help="fsdp: every run as real FSDP2 ranks (experiments.fsdp_train.run_study); horovod: "
+                        "under horovodrun with Horovod's and gradcomp's distributed optimizers "
+                        "(experiments.horovod_train.run_study)")
     parser.add_argument("--aggregate", action="store_true", help="only rebuild the outputs from the logs")
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a RunSpec as JSON: run it here
@@ -224,6 +226,10 @@ def main(argv=None) -> int:
         from experiments.fsdp_train import run_study
 
         failures += run_study(specs, runs_dir, args)
+    elif not args.aggregate and args.parallel == "horovod":
+        from experiments.horovod_train import run_study as run_horovod_study
+
+        failures += run_horovod_study(specs, runs_dir, args)
     elif not args.aggregate:
         pending = _pending(specs, runs_dir)
         failures += run_simulated([s for s in pending if s.method in SIMULATED_METHODS], runs_dir, args.jobs,

@@ -16,10 +16,19 @@ Methods (``--compressor``):
                Horovod 0.28.1 cannot allreduce bfloat16)
 =============  ===============================================================================
 
-``--no-ef`` turns error feedback off for ``topk``/``twobit``. Rank 0 prints one line per
-step: its loss, the bytes this rank handed to collectives, the bytes a dense float32 allreduce
-would have handed over, their ratio and the step time. The workloads (scikit-learn's digits, or a
-character LM on the standard library's source) need no download; see :mod:`experiments.workloads`.
+``--no-ef`` turns error feedback off for ``topk``/``twobit``.
+
+``--study-spec`` runs a convergence study's run instead (a :class:`experiments.convergence.RunSpec`
+as JSON: its workload from :mod:`experiments.suite`, its own loop and optimizer; ``dense``/``fp16``
+through Horovod's optimizer, ``topk``/``twobit`` through gradcomp's with the one-call recipe over
+``--planned-steps`` or the run's steps) and logs the study's records (``config``, ``step``,
+``eval``, ``done``); ``python -m experiments.convergence --parallel horovod`` starts these
+(:func:`run_study`).
+
+Rank 0 prints one line per step: its loss, the bytes this rank handed to collectives, the bytes a
+dense float32 allreduce would have handed over, their ratio and the step time. The workloads
+(scikit-learn's digits, or a character LM on the standard library's source) need no download; see
+:mod:`experiments.workloads`.
 
 Each rank is :func:`experiments.runner.run_rank` with :class:`HorovodRun`: the runner's loop, step
 timing (without drawing the batch), held-out evaluation (``--eval-every``, and at the end) and log
@@ -29,12 +38,19 @@ ranks and its distributed optimizer in place of a process group and DDP.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import subprocess
 import sys
+import time
 from typing import Optional
 
 from experiments.launch import set_thread_env
-from experiments.runner import Run, run_rank, timing_summary
+from experiments.runner import Run, run_rank, timing_summary, workload_and_loop
+
+#: The convergence study's methods a Horovod run takes (``--study-spec``).
+STUDY_METHODS = ("dense", "fp16", "topk", "twobit")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,7 +80,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backend", help="gradcomp kernel backend override (one of gradcomp.backends.BACKENDS)")
     parser.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps (0: at the end)")
     parser.add_argument("--log", help="JSON-lines log written by rank 0")
+    parser.add_argument("--study-spec", help="a convergence study's run (RunSpec as JSON): replaces the workload, "
+                        "the loop, --compressor and --steps")
+    parser.add_argument("--planned-steps", type=int, help="the recipe's total_steps (default: the run's steps)")
     args = parser.parse_args(argv)
+    args.suite_spec = json.loads(args.study_spec) if args.study_spec else None
+    if args.suite_spec is not None:
+        if args.suite_spec["method"] not in STUDY_METHODS:
+            parser.error(f"--study-spec: method {args.suite_spec['method']!r} does not run under Horovod here; "
+                         f"choose one of {STUDY_METHODS}")
+        args.compressor, args.steps = args.suite_spec["method"], args.suite_spec["steps"]
+        args.eval_every = args.suite_spec["eval_every"]
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     if args.threshold not in ("auto", "rms"):
@@ -135,17 +161,31 @@ class HorovodRun(Run):
             hvd.shutdown()
 
     def build_workload(self):
+        """A study's workload and loop (``--study-spec``), else the command line's, with AdamW at a
+        constant rate."""
         from experiments import loop as loops
         from experiments import workloads
 
         args = self.args
+        if args.suite_spec is not None:
+            self.done_record = True
+            workload, loop = workload_and_loop(args)
+            if loop.clip or loop.accumulation > 1:
+                raise SystemExit(f"horovod_train: {workload.name}'s loop clips or accumulates; the Horovod run "
+                                 "covers loops without (synchronize() before the clip is not wired here)")
+            return workload, loop
         workload = workloads.build_workload(args.workload, seed=args.seed, small=args.small)
         return workload, loops.Loop("adamw", args.lr or workload.default_lr, args.steps, 0)
 
     def build_optimizer(self):
-        """AdamW at the loop's rate, no weight decay, no scheduler (:meth:`attach` wraps it)."""
+        """A study's optimizer and scheduler (:func:`experiments.loop.build_optimizer`), else AdamW at the
+        loop's rate, no weight decay, no scheduler (:meth:`attach` wraps it)."""
         import torch
 
+        from experiments import loop as loops
+
+        if self.args.suite_spec is not None:
+            return loops.build_optimizer(self.loop, self.net)
         return torch.optim.AdamW(self.net.parameters(), lr=self.loop.lr, weight_decay=0.0), None
 
     def wrap(self, net):
@@ -177,6 +217,14 @@ class HorovodRun(Run):
             stock = sum(p.numel() * (wire or p.element_size()) for p in self.net.parameters() if p.requires_grad)
             return (hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=compression), stock,
                     args.compressor)
+        if args.suite_spec is not None:  # the study's method with the one-call recipe, as on DDP
+            from experiments.methods import STUDY_DENSITY
+
+            spec_text = "twobit:chunk" if args.compressor == "twobit" else f"topk:{STUDY_DENSITY}"
+            wrapped = gc_hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=from_spec(spec_text),
+                                                  total_steps=args.planned_steps or args.steps,
+                                                  scheduler=self.scheduler)
+            return wrapped, None, args.compressor
         if args.compressor == "topk":
             compressor = from_spec(f"topk:{args.density!r}")
         elif args.compressor == "twobit":
@@ -207,7 +255,20 @@ class HorovodRun(Run):
         return threshold
 
     def config(self, backend: str) -> dict:
-        """The config record; rank 0 also prints the run's one-line description."""
+        """The config record; rank 0 also prints the run's one-line description. A study's run records
+        its RunSpec's fields, ``"parallel": "horovod"`` and the recipe's plan."""
+        if self.args.suite_spec is not None:
+            import torch
+
+            from experiments import fingerprint
+
+            plan = getattr(self.optimizer, "recipe", None)
+            return {**self.args.suite_spec, "buckets": "per parameter", "engine": "horovod", "parallel": "horovod",
+                    "code": fingerprint.code(), "loop": self.loop.describe(), "world_size": self.world_size,
+                    "batch_size": self.batch_size, "link": os.environ.get("GRADCOMP_LINK", "unshaped"),
+                    "torch": torch.__version__,
+                    "planned_steps": self.args.planned_steps, "recipe": plan.summary if plan is not None else None,
+                    "params": sum(p.numel() for p in self.net.parameters())}
         if self.rank == 0:
             params = sum(p.numel() for p in self.net.parameters())
             print(f"{self.workload.name}: {params:,} parameters, {self.world_size} ranks, method {self.method}, "
@@ -242,6 +303,49 @@ class HorovodRun(Run):
                   f"dense/step {self.dense_bytes:,}  mean step {1000 * train_time / steps:.1f} ms", flush=True)
         self.emit({"event": "summary", **final, "bytes_sent_per_step": self.total_sent / steps,
                    "dense_bytes": self.dense_bytes, **timing_summary(train_time, step_times, losses)})
+
+
+def horovodrun_command(argv, world_size: int = 2) -> list:
+    """``horovodrun`` (beside this Python where installed there) of ``python -m experiments.horovod_train``
+    with ``argv``: ``world_size`` local ranks over Gloo, one thread each (``--threads``'s default). The
+    arguments go as one shell word: horovodrun would read ``--log`` after the command as its own option."""
+    import shlex
+
+    beside = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    launcher = beside if os.path.exists(beside) else "horovodrun"
+    inner = shlex.join([sys.executable, "-m", "experiments.horovod_train", *argv])
+    return [launcher, "-np", str(world_size), "--gloo", "-H", f"localhost:{world_size}", "sh", "-c", inner]
+
+
+def run_study(specs, runs_dir: str, args) -> int:
+    """Run the convergence study's ``specs`` (:class:`experiments.convergence.RunSpec`) under horovodrun,
+    ``args.nproc`` ranks, one after another on the unshaped loopback; logs ``<stem>__horovod.jsonl`` with
+    the study's records. Returns the number that failed; a method Horovod does not run is skipped."""
+    from dataclasses import asdict
+
+    from experiments import launch
+    from experiments.study_report import is_complete, is_current
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    failures = 0
+    for spec in specs:
+        if spec.method not in STUDY_METHODS:
+            print(f"{spec.stem}: {spec.method} does not run under Horovod here; skipped", flush=True)
+            continue
+        log_path = os.path.abspath(os.path.join(runs_dir, spec.stem + "__horovod.jsonl"))
+        if is_current(log_path):
+            continue
+        command = horovodrun_command(["--study-spec", json.dumps(asdict(spec)), "--log", log_path], args.nproc)
+        started = time.monotonic()
+        with open(log_path[: -len(".jsonl")] + ".out", "w") as output:
+            status = launch.run_bounded(command, timeout=args.run_timeout, env=env, cwd=root, stdout=output,
+                                        stderr=subprocess.STDOUT)
+        ok = is_complete(log_path)
+        failures += not ok
+        print(f"{spec.stem} (horovod): {'ok' if ok else 'FAILED'} (status {status}) in "
+              f"{time.monotonic() - started:.0f}s", flush=True)
+    return failures
 
 
 if __name__ == "__main__":

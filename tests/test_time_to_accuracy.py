@@ -88,3 +88,58 @@ def test_the_paired_ratio_sees_through_the_machines_drift_between_rounds():
     dense, auto = timing("dense", "unshaped", 0.115), {**timing("auto", "unshaped", 0.2), "ratio_vs_dense": 1.01}
     assert tta.paired_step_time(auto, dense) == pytest.approx(0.115 * 1.01)
     assert tta.paired_step_time(timing("auto", "unshaped", 0.2), dense) == 0.2  # no pairs: its own median
+
+
+def test_horovod_rounds_give_each_method_its_median_spread_and_ratio_to_dense_of_the_same_round():
+    from types import SimpleNamespace
+
+    from experiments import horovod_step_times
+
+    times = {"dense|10mbit": [[2.0, 2.2, 2.1], [3.0, 3.0, 3.1]],  # round 1 ran on a slower machine
+             "topk|10mbit": [[0.2, 0.2, 0.3], [0.3, 0.3, 0.3]]}
+    args = SimpleNamespace(workload="w", optimizer="adamw", steps=24, planned_steps=8, settle=2)
+    rows = {r["method"]: r for r in horovod_step_times.summarize(times, args, 0.3)}
+    assert rows["dense"]["rounds"] == [2.1, 3.0] and rows["dense"]["step_time"] == pytest.approx(2.55)
+    assert rows["dense"]["spread"] == pytest.approx(0.9 / 2.55) and "ratio_vs_dense" not in rows["dense"]
+    assert rows["topk"]["ratio_rounds"] == pytest.approx([0.2 / 2.1, 0.1])
+    assert rows["topk"]["ratio_vs_dense"] == pytest.approx((0.2 / 2.1 + 0.1) / 2)
+    assert all(r["integration"] == "horovod" and r["load_before"] == 0.3 and r["steps_per_round"] == 14
+               for r in rows.values())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+@pytest.mark.slow
+def test_the_study_under_horovod_runs_the_recipe_and_its_step_times_feed_the_time_to_accuracy(tmp_path):
+    # Real horovodrun ranks: `convergence --parallel horovod` logs the study's records (the recipe's plan in
+    # the config), the study's aggregation reads them, and `horovod_step_times` times the same methods.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    study = subprocess.run([sys.executable, "-m", "experiments.convergence", "--parallel", "horovod", "--workloads",
+                            "charlm-tiny", "--optimizers", "adamw", "--methods", "dense,topk,twobit", "--steps", "12",
+                            "--seeds", "0", "--out", str(tmp_path / "conv"), "--run-timeout", "300"],
+                           capture_output=True, text=True, timeout=1000, env=env, cwd=root)
+    assert study.returncode == 0, study.stdout[-3000:] + study.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads((tmp_path / "conv" / "convergence.json").read_text())}
+    assert set(rows) == {"dense", "topk", "twobit"}
+    assert all(r["parallel"] == "horovod" and r["engine"] == "horovod" and len(r["evals"]) == 12 for r in rows.values())
+    assert rows["dense"]["compression"] == pytest.approx(1.0) and rows["topk"]["compression"] > 1.0
+    assert rows["twobit"]["final_bytes_share"] < 1.0 and rows["topk"]["gap_to_dense"] is not None
+    config = next(json.loads(line) for line in open(rows["topk"]["log"]) if '"config"' in line)
+    assert config["recipe"].startswith("TopK(") and config["world_size"] == 2
+    timed = subprocess.run([sys.executable, "-m", "experiments.horovod_step_times", "--workload", "charlm-tiny",
+                            "--links", "unshaped", "--rounds", "2", "--steps", "9", "--planned-steps", "4",
+                            "--settle", "1", "--out", str(tmp_path / "times")],
+                           capture_output=True, text=True, timeout=1000, env=env, cwd=root)
+    assert timed.returncode == 0, timed.stdout[-3000:] + timed.stderr[-3000:]
+    times = json.loads((tmp_path / "times" / "step_times_charlm-tiny_adamw.json").read_text())
+    assert {(r["method"], r["link"]) for r in times} == {(m, "unshaped") for m in ("dense", "topk", "twobit")}
+    assert all(len(r["rounds"]) == 2 and r["step_time"] > 0 for r in times)
+    result = tta.rows_for(list(rows.values()), times)
+    assert {r["method"] for r in result} == {"dense", "topk", "twobit"}
+    assert next(r for r in result if r["method"] == "dense")["steps_to_target"] is not None
