@@ -10,6 +10,11 @@ fails (exit 1) when the README differs from what the results say (``tests/test_r
                   2-bit to it (median over seeds; accuracy points for classifiers), with the bytes
 ``time``          ``experiments/results/main/time_to_accuracy/time_to_accuracy.json`` (the main job,
                   ``experiments.compare --quick``): time to dense's quality per link and method
+``study-time``    ``experiments/results/time_to_accuracy/time_to_accuracy.json``: the same for every
+                  workload and optimizer of the convergence study, top-k and 2-bit per link
+``horovod-time``  ``experiments/results/horovod-tta/time_to_accuracy/time_to_accuracy.json``: the
+                  main job's cell on the Horovod path (``convergence --parallel horovod``,
+                  ``experiments.horovod_step_times``)
 ================  =============================================================================
 """
 from __future__ import annotations
@@ -25,7 +30,10 @@ from experiments.study_report import cell_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = {"convergence": "experiments/results/convergence/convergence.json",
-           "time": "experiments/results/main/time_to_accuracy/time_to_accuracy.json"}
+           "time": "experiments/results/main/time_to_accuracy/time_to_accuracy.json",
+           "study-time": "experiments/results/time_to_accuracy/time_to_accuracy.json",
+           "horovod-time": "experiments/results/horovod-tta/time_to_accuracy/time_to_accuracy.json"}
+LINK_ORDER = ("10mbit", "100mbit", "1gbit", "10gbit", "unshaped")
 _BLOCK = re.compile(r"(<!-- generated: (\w[\w-]*) -->\n)(.*?)(<!-- /generated -->)", re.S)
 
 
@@ -65,8 +73,7 @@ def time_table(rows: List[dict]) -> str:
     """Per link: dense's step over its compute, and each method's time to dense's quality."""
     methods = [m for m in ("dense", "fp16", "powersgd", "topk", "twobit", "auto")
                if any(r["method"] == m for r in rows)]
-    links = sorted({r["link"] for r in rows}, key=lambda link: ("unshaped", "10gbit", "1gbit", "100mbit",
-                                                                "10mbit").index(link))
+    links = sorted({r["link"] for r in rows}, key=lambda link: -LINK_ORDER.index(link))
     lines = ["| link | dense step / compute | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
     for link in links:
         at = {r["method"]: r for r in rows if r["link"] == link}
@@ -90,7 +97,39 @@ def time_table(rows: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-TABLES: Dict[str, Callable[[List[dict]], str]] = {"convergence": convergence_table, "time": time_table}
+def _ratio(row) -> str:
+    if row is None:
+        return "–"
+    return "never" if row["time_ratio_vs_dense"] is None else f"{row['time_ratio_vs_dense']:.2f}x"
+
+
+def study_time_table(rows: List[dict]) -> str:
+    """Per workload x optimizer, per link: top-k's and 2-bit's time to dense's quality, and dense's step
+    over its compute (where the exchange dominates, compression can pay)."""
+    links = sorted({r["link"] for r in rows}, key=LINK_ORDER.index)
+    at = {(r["workload"], r["optimizer"], r["method"], r["link"]): r for r in rows}
+    lines = ["| workload | optimizer | " + " | ".join(links) + " |", "|---|---|" + "---|" * len(links)]
+    for workload, optimizer in sorted({(r["workload"], r["optimizer"]) for r in rows}):
+        cells = []
+        for link in links:
+            dense = at.get((workload, optimizer, "dense", link)) or {}
+            over = dense.get("dense_step_over_compute")
+            cells.append(f"{_ratio(at.get((workload, optimizer, 'topk', link)))} / "
+                         f"{_ratio(at.get((workload, optimizer, 'twobit', link)))}"
+                         + ("" if over is None else f" ({over:.1f})"))
+        lines.append(f"| {workload} | {optimizer} | " + " | ".join(cells) + " |")
+    spreads = [r["spread"] for r in rows if r.get("spread") is not None]
+    paired = [r["ratio_spread"] for r in rows if r.get("ratio_spread") is not None and r["method"] != "dense"]
+    loads = sorted({str(r["load_before"]) for r in rows if r.get("load_before") is not None})
+    lines.append(f"\nEach cell: top-k's / 2-bit's time to the target ÷ dense's time to its own final loss (dense's "
+                 f"step ÷ the step without communication). Step times: spread between rounds {min(spreads):.0%}–"
+                 f"{max(spreads):.0%}, paired ratios {min(paired or [0]):.1%}–{max(paired or [0]):.1%}; load before "
+                 f"each workload's timing: {', '.join(loads) or 'not recorded'}.")
+    return "\n".join(lines) + "\n"
+
+
+TABLES: Dict[str, Callable[[List[dict]], str]] = {"convergence": convergence_table, "time": time_table,
+                                                  "study-time": study_time_table, "horovod-time": time_table}
 
 
 def render(readme: str, root: str = ROOT) -> str:

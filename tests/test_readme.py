@@ -92,3 +92,18 @@ def test_the_readmes_generated_tables_are_the_results_files():
     from experiments import readme_tables
 
     assert readme_tables.main(["--check"]) == 0, "run python -m experiments.readme_tables"
+
+
+def test_the_study_time_table_gives_each_cell_its_methods_per_link_and_says_never():
+    from experiments import readme_tables
+
+    def row(method, link, ratio, **extra):
+        return {"workload": "w", "optimizer": "adamw", "method": method, "link": link, "time_ratio_vs_dense": ratio,
+                "spread": 0.02, "load_before": 0.3, "ratio_spread": None if method == "dense" else 0.05, **extra}
+
+    rows = [row("dense", "1gbit", 0.8, dense_step_over_compute=1.2), row("topk", "1gbit", None),
+            row("twobit", "1gbit", 0.95), row("dense", "10mbit", 0.8, dense_step_over_compute=20.0),
+            row("topk", "10mbit", None), row("twobit", "10mbit", 0.1)]
+    table = readme_tables.study_time_table(rows)
+    assert "| w | adamw | never / 0.10x (20.0) | never / 0.95x (1.2) |" in table  # slow links first
+    assert "spread between rounds 2%–2%, paired ratios 5.0%–5.0%; load before each workload's timing: 0.3" in table
