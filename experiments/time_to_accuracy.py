@@ -103,7 +103,8 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
                    "spread": timed["spread"], "load_before": timed.get("load_before"),
                    "step_ratio_vs_dense": step_time / dense_timed["step_time"],
                    "ratio_spread": timed.get("ratio_spread", 0.0 if method == "dense" else None),
-                   "step_times_of": timed["workload"], "time_ratio_vs_dense": ratio, "time_model": model}
+                   "step_times_of": timed["workload"], "time_ratio_vs_dense": ratio, "time_model": model,
+                   "integration": timed.get("integration", "ddp")}
             if method == "dense":
                 row["dense_step_over_compute"] = timed.get("dense_step_over_compute")
             rows.append(row)
