@@ -206,6 +206,34 @@ def run_ddp(specs: List[RunSpec], runs_dir: str, args) -> int:
     return failures
 
 
+def run_launched(specs: List[RunSpec], runs_dir: str, kind: str, methods, command_of, timeout_s: float) -> int:
+    """Run ``specs`` one after another, each as the command ``command_of(spec, log_path)`` (its ranks
+    launched by that command, unshaped), bounded by ``timeout_s``; logs ``<stem>__<kind>.jsonl``. A spec
+    whose method is not in ``methods`` is skipped, one whose log is current is kept. Returns the number
+    that failed."""
+    from experiments import launch
+    from experiments.study_report import is_complete, is_current
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    failures = 0
+    for spec in specs:
+        if spec.method not in methods:
+            print(f"{spec.stem}: {spec.method} does not run under {kind}; skipped", flush=True)
+            continue
+        log_path = os.path.abspath(os.path.join(runs_dir, f"{spec.stem}__{kind}.jsonl"))
+        if is_current(log_path):
+            continue
+        started = time.monotonic()
+        with open(log_path[: -len(".jsonl")] + ".out", "w") as output:
+            status = launch.run_bounded(command_of(spec, log_path), timeout=timeout_s, env=env, cwd=root,
+                                        stdout=output, stderr=subprocess.STDOUT)
+        ok = is_complete(log_path)
+        failures += not ok
+        print(f"{spec.stem} ({kind}): {'ok' if ok else 'FAILED'} (status {status}) in "
+              f"{time.monotonic() - started:.0f}s", flush=True)
+    return failures
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:

@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from dataclasses import asdict
 
 from experiments import launch, methods
@@ -170,30 +168,13 @@ class FsdpRun(Run):
 def run_study(specs, runs_dir: str, args) -> int:
     """Run the convergence study's ``specs`` (:class:`experiments.convergence.RunSpec`) as real FSDP jobs of
     ``args.nproc`` ranks, one after another, unshaped; logs ``<stem>__fsdp.jsonl``. Returns the failures."""
-    from experiments.study_report import is_complete, is_current
+    from experiments.convergence import run_launched
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    failures = 0
-    for spec in specs:
-        if spec.method not in METHODS:
-            print(f"{spec.stem}: {spec.method} does not run under FSDP; skipped", flush=True)
-            continue
-        log_path = os.path.abspath(os.path.join(runs_dir, spec.stem + "__fsdp.jsonl"))
-        if is_current(log_path):
-            continue
-        command = [sys.executable, "-m", "experiments.fsdp_train", "--study-spec", json.dumps(asdict(spec)),
-                   "--log", log_path, "--nproc", str(args.nproc), "--max-time", str(args.run_timeout)]
-        started = time.monotonic()
-        with open(log_path[: -len(".jsonl")] + ".out", "w") as output:
-            status = launch.run_bounded(command, timeout=args.run_timeout + 60, env=env, cwd=root, stdout=output,
-                                        stderr=subprocess.STDOUT)
-        ok = is_complete(log_path)
-        failures += not ok
-        print(f"{spec.stem} (fsdp): {'ok' if ok else 'FAILED'} (status {status}) in "
-              f"{time.monotonic() - started:.0f}s", flush=True)
-    return failures
+    def command(spec, log_path: str) -> list:
+        return [sys.executable, "-m", "experiments.fsdp_train", "--study-spec", json.dumps(asdict(spec)),
+                "--log", log_path, "--nproc", str(args.nproc), "--max-time", str(args.run_timeout)]
 
+    return run_launched(specs, runs_dir, "fsdp", METHODS, command, args.run_timeout + 60)
 
 def parse_args(argv=None) -> argparse.Namespace:
     """:func:`experiments.launch.parse_args`'s arguments (``--compressor`` one of :data:`METHODS`), plus

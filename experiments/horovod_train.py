@@ -41,9 +41,7 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import time
 from typing import Optional
 
 from experiments.launch import set_thread_env
@@ -323,30 +321,12 @@ def run_study(specs, runs_dir: str, args) -> int:
     the study's records. Returns the number that failed; a method Horovod does not run is skipped."""
     from dataclasses import asdict
 
-    from experiments import launch
-    from experiments.study_report import is_complete, is_current
+    from experiments.convergence import run_launched
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    failures = 0
-    for spec in specs:
-        if spec.method not in STUDY_METHODS:
-            print(f"{spec.stem}: {spec.method} does not run under Horovod here; skipped", flush=True)
-            continue
-        log_path = os.path.abspath(os.path.join(runs_dir, spec.stem + "__horovod.jsonl"))
-        if is_current(log_path):
-            continue
-        command = horovodrun_command(["--study-spec", json.dumps(asdict(spec)), "--log", log_path], args.nproc)
-        started = time.monotonic()
-        with open(log_path[: -len(".jsonl")] + ".out", "w") as output:
-            status = launch.run_bounded(command, timeout=args.run_timeout, env=env, cwd=root, stdout=output,
-                                        stderr=subprocess.STDOUT)
-        ok = is_complete(log_path)
-        failures += not ok
-        print(f"{spec.stem} (horovod): {'ok' if ok else 'FAILED'} (status {status}) in "
-              f"{time.monotonic() - started:.0f}s", flush=True)
-    return failures
+    def command(spec, log_path: str) -> list:
+        return horovodrun_command(["--study-spec", json.dumps(asdict(spec)), "--log", log_path], args.nproc)
 
+    return run_launched(specs, runs_dir, "horovod", STUDY_METHODS, command, args.run_timeout)
 
 if __name__ == "__main__":
     sys.exit(main())
