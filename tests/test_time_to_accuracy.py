@@ -143,3 +143,18 @@ def test_the_study_under_horovod_runs_the_recipe_and_its_step_times_feed_the_tim
     result = tta.rows_for(list(rows.values()), times)
     assert {r["method"] for r in result} == {"dense", "topk", "twobit"}
     assert next(r for r in result if r["method"] == "dense")["steps_to_target"] is not None
+
+
+def test_with_several_seeds_each_seed_meets_its_own_dense_and_the_row_is_the_upper_median():
+    # Seed 0 reaches its dense run's target, seeds 1 and 2 never do: the cell never reaches it.
+    runs = [run("dense", [3.0, 2.0], [1.0, 1.0], seed) for seed in (0, 1, 2)]
+    runs += [run("twobit", [3.0, 2.0], [1.0, 0.1], 0), run("twobit", [3.0, 2.1], [1.0, 0.1], 1),
+             run("twobit", [3.0, 2.2], [1.0, 0.1], 2)]
+    times = [timing("dense", "10mbit", 1.0), timing("twobit", "10mbit", 0.1)]
+    (row,) = [r for r in tta.rows_for(runs, times) if r["method"] == "twobit"]
+    assert row["seeds"] == [0, 1, 2] and row["time_ratio_by_seed"][1:] == [None, None]
+    assert row["time_ratio_by_seed"][0] == pytest.approx((1.0 + 0.1) / 2.0)
+    assert row["time_ratio_vs_dense"] is None and row["steps_to_target"] is None
+    runs[-1] = run("twobit", [3.0, 1.9], [1.0, 0.1], 2)  # two seeds of three reach it: the upper median does
+    (row,) = [r for r in tta.rows_for(runs, times) if r["method"] == "twobit"]
+    assert row["time_ratio_vs_dense"] == pytest.approx(0.55) and row["steps_to_target"] == 2
