@@ -127,7 +127,7 @@ def study_time_table(rows: List[dict]) -> str:
     lines.append(f"\nEach cell: top-k's / 2-bit's time to the target ÷ dense's time to its own final loss (dense's "
                  f"step ÷ the step without communication). Step times: spread between rounds {min(spreads):.0%}–"
                  f"{max(spreads):.0%}, paired ratios {min(paired or [0]):.1%}–{max(paired or [0]):.1%}; load before "
-                 f"each workload's timing: {', '.join(loads) or 'not recorded'}.")
+                 f"the timing run: {', '.join(loads) or 'not recorded'}.")
     return "\n".join(lines) + "\n"
 
 

@@ -106,4 +106,4 @@ def test_the_study_time_table_gives_each_cell_its_methods_per_link_and_says_neve
             row("topk", "10mbit", None), row("twobit", "10mbit", 0.1)]
     table = readme_tables.study_time_table(rows)
     assert "| w | adamw | never / 0.10x (20.0) | never / 0.95x (1.2) |" in table  # slow links first
-    assert "spread between rounds 2%–2%, paired ratios 5.0%–5.0%; load before each workload's timing: 0.3" in table
+    assert "spread between rounds 2%–2%, paired ratios 5.0%–5.0%; load before the timing run: 0.3" in table
