@@ -69,6 +69,21 @@ def convergence_table(rows: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ratio(row) -> str:
+    """A time-to-accuracy row's time ratio as a table cell: ``–`` without a row, ``never``, or ``0.42x``."""
+    if row is None:
+        return "–"
+    return "never" if row["time_ratio_vs_dense"] is None else f"{row['time_ratio_vs_dense']:.2f}x"
+
+
+def _timing_facts(rows: List[dict]) -> tuple:
+    """``(spreads between rounds, paired-ratio spreads of the methods other than dense, loads before)``."""
+    spreads = [r["spread"] for r in rows if r.get("spread") is not None]
+    paired = [r["ratio_spread"] for r in rows if r.get("ratio_spread") is not None and r["method"] != "dense"]
+    loads = sorted({str(r["load_before"]) for r in rows if r.get("load_before") is not None})
+    return spreads, paired, loads
+
+
 def time_table(rows: List[dict]) -> str:
     """Per link: dense's step over its compute, and each method's time to dense's quality."""
     methods = [m for m in ("dense", "fp16", "powersgd", "topk", "twobit", "auto")
@@ -81,13 +96,9 @@ def time_table(rows: List[dict]) -> str:
         over = dense.get("dense_step_over_compute")
         cells = []
         for method in methods:
-            row = at.get(method)
-            ratio = None if row is None else row["time_ratio_vs_dense"]
-            cells.append("never" if row is not None and ratio is None else ("–" if row is None else f"{ratio:.2f}x"))
+            cells.append(_ratio(at.get(method)))
         lines.append(f"| {link} | {'–' if over is None else f'{over:.2f}'} | " + " | ".join(cells) + " |")
-    spreads = [r["spread"] for r in rows if r.get("spread") is not None]
-    loads = sorted({str(r["load_before"]) for r in rows if r.get("load_before") is not None})
-    paired = [r["ratio_spread"] for r in rows if r.get("ratio_spread") is not None and r["method"] != "dense"]
+    spreads, paired, loads = _timing_facts(rows)
     if spreads:
         lines.append(f"\nStep times: medians of interleaved rounds, spread between rounds {min(spreads):.0%}–"
                      f"{max(spreads):.0%}; load before the timing: {', '.join(loads) or 'not recorded'}.")
@@ -98,12 +109,6 @@ def time_table(rows: List[dict]) -> str:
         lines.append(f"Each method's step is dense's times its ratio to dense paired step by step (the steps taken in "
                      f"turn); those ratios spread {min(paired):.1%}–{max(paired):.1%} between rounds.")
     return "\n".join(lines) + "\n"
-
-
-def _ratio(row) -> str:
-    if row is None:
-        return "–"
-    return "never" if row["time_ratio_vs_dense"] is None else f"{row['time_ratio_vs_dense']:.2f}x"
 
 
 def study_time_table(rows: List[dict]) -> str:
@@ -121,9 +126,7 @@ def study_time_table(rows: List[dict]) -> str:
                          f"{_ratio(at.get((workload, optimizer, 'twobit', link)))}"
                          + ("" if over is None else f" ({over:.1f})"))
         lines.append(f"| {workload} | {optimizer} | " + " | ".join(cells) + " |")
-    spreads = [r["spread"] for r in rows if r.get("spread") is not None]
-    paired = [r["ratio_spread"] for r in rows if r.get("ratio_spread") is not None and r["method"] != "dense"]
-    loads = sorted({str(r["load_before"]) for r in rows if r.get("load_before") is not None})
+    spreads, paired, loads = _timing_facts(rows)
     lines.append(f"\nEach cell: top-k's / 2-bit's time to the target ÷ dense's time to its own final loss (dense's "
                  f"step ÷ the step without communication). Step times: spread between rounds {min(spreads):.0%}–"
                  f"{max(spreads):.0%}, paired ratios {min(paired or [0]):.1%}–{max(paired or [0]):.1%}; load before "
