@@ -25,6 +25,15 @@ The remedy has two parts:
   alone gives it. Counting on the caller's tensor instead is wrong when it has other C++ owners
   (DDP's reducer owns its bucket buffers): when one of them lets go first, the count falls back
   while the collective still holds the tensor.
+* A callback that reads a collective's future (``value()``) gets Python objects for the tensors
+  the work holds, and the work is destroyed on Gloo's thread after the callback: :func:`keep` gives
+  those tensors the same C++ owner here. Measured stack of that abort (a 2-bit DDP job that ended
+  right after its last step): ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` ->
+  ``~AsyncWork`` -> ``~vector<vector<Tensor>>`` (the work's outputs, made Python objects by the
+  hook's ``value()``) -> ``TensorImpl::decref_pyobject`` -> ``THPVariable_dealloc`` ->
+  ``PyEval_RestoreThread`` -> ``pthread_exit``, while the main thread was in ``Py_FinalizeEx``.
+  The work releases its inputs (held aliases) before its outputs, so waiting for the aliases alone
+  let the exit begin inside that window.
 * Every callback is watched through a weak reference, and at interpreter exit (``atexit`` runs
   before finalization starts) the main thread waits, bounded by :data:`EXIT_WAIT_S`, until the
   communication threads have destroyed every callback and let go of every tensor.
@@ -62,6 +71,10 @@ EXIT_WAIT_S = 5.0
 # Held tensors beyond this many are dropped oldest first: a communication thread lets go of a
 # tensor right after the collective, so only the newest few can still be in use.
 _MAX_HELD = 1024
+
+# A tensor's C++ use count from this module alone: its Python object (held in ``_held``) and the
+# owner made by :func:`_owner_of`.
+_OWN_USE_COUNT = 2
 
 _lock = threading.Lock()
 # (tensor, its C++ owner here, its use count with that owner before it was handed over)
@@ -105,6 +118,27 @@ def hold(*tensors: torch.Tensor) -> List[torch.Tensor]:
             owner = _owner_of(alias)
             _held.append((alias, owner, alias._use_count()))
     return aliases
+
+
+def keep(value: Any) -> None:
+    """Own the tensors of ``value`` here until the collective lets go of them: ``value`` is what a
+    collective future's ``value()`` gave a callback (a tensor, or lists and tuples of them).
+
+    ``value()`` makes a Python object for every tensor the work holds that had none (Gloo's
+    allgather gives back views of its output that only the work owns). When the work is destroyed
+    on Gloo's thread its release of such a tensor is the 2 -> 1 step that takes the GIL, and at
+    interpreter exit that aborts the rank (see the module docstring). One more C++ owner here keeps
+    that step on a Python thread. Call it in the callback, while the work still holds the tensors.
+    """
+    tensors = [value] if isinstance(value, torch.Tensor) else []
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            keep(item)
+    with _lock:
+        _install_exit_hook()
+        for tensor in tensors:
+            # What this module alone gives the tensor: its Python object's reference and the owner.
+            _held.append((tensor, _owner_of(tensor), _OWN_USE_COUNT))
 
 
 def watch(callback: Callable) -> Callable:

@@ -79,9 +79,10 @@ class TorchDistributedTransport(Transport):
         work = _all_gather_flat(received, sent, group=self._group, async_op=True)
 
         # The work's own future does not carry the output tensor on every backend (Gloo gives back
-        # the input), so hand on the buffer gathered into -- after value() has re-raised any failure.
+        # views of it), so hand on the buffer gathered into -- after value() has re-raised any failure.
         def gathered_or_raise(fut: torch.futures.Future):
-            fut.value()
+            # value() made Python objects of the work's views; Gloo's thread must not free them (inflight.keep).
+            inflight.keep(fut.value())
             return [gathered]
 
         return work.get_future().then(inflight.watch(gathered_or_raise))

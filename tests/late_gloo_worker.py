@@ -14,6 +14,10 @@ MODE ``shared`` holds tensors that have two more C++ owners (DDP's reducer and t
 own a bucket buffer) which let go while Gloo still holds them: counting the tensor's own owners took
 that for Gloo's release and let go too early (3 of 3 jobs aborted); holding an alias that only the
 collective and ``gradcomp.inflight`` own does not (3 of 3 exited 0).
+MODE ``value`` forces the same order on the tensors a callback's ``value()`` makes Python objects of
+(Gloo's allgather into one tensor gives back views of it that only the work owns; the work is
+destroyed after the callback): bare, the abort; ``kept``, with ``gradcomp.inflight.keep`` as the DDP
+hook does, the main thread frees them.
 """
 import os
 import sys
@@ -24,6 +28,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as gradcomp's DDP hook
 ELEMENTS = 1 << 26  # 256 MB of float32: its free keeps Gloo's thread off the GIL for a while
 
 port, rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -35,9 +40,35 @@ tensor = torch.ones(ELEMENTS) * rank
 outputs = [torch.empty_like(tensor) for _ in range(2)]
 if rank == 1:
     time.sleep(2.0)
-    dist.all_gather(outputs, tensor)
+    if mode in ("value", "kept"):
+        gather_flat(torch.empty(2 * ELEMENTS), tensor)
+    else:
+        dist.all_gather(outputs, tensor)
     sys.exit(0)
 freeing = []  # whether the thread that freed the caller's first output was the main thread
+if mode in ("value", "kept"):
+    from gradcomp import inflight
+
+    def read(fut):  # as the DDP hook's callback reads the gather, on Gloo's thread
+        value = fut.value()
+        weakref.finalize(value[0], lambda: freeing.append(threading.current_thread() is threading.main_thread()))
+        if mode == "kept":
+            inflight.keep(value)
+        return None
+
+    received, sent = inflight.hold(torch.empty(2 * ELEMENTS), tensor)
+    child = gather_flat(received, sent, async_op=True).get_future().then(read)
+    del received, sent, tensor, outputs  # the work's views of the output are now its storage's only owners
+    inflight.pending()  # prunes the aliases (the work holds views, not them)
+    group = dist.group.WORLD
+    dist.destroy_process_group()
+    deadline = time.time() + 30.0
+    while not freeing and time.time() < deadline:
+        if mode == "kept" and child.done():
+            inflight.pending()  # frees what the work has let go of, here
+    print({(): "not freed", (True,): "freed by the main thread", (False,): "freed by Gloo's thread"}[tuple(freeing)],
+          flush=True)
+    sys.exit(0)
 weakref.finalize(outputs[0], lambda: freeing.append(threading.current_thread() is threading.main_thread()))
 # Two more C++ owners of each tensor, as DDP's reducer and the hook's GradBucket own a bucket buffer.
 reducer = torch._C.ScriptList([tensor, *outputs] * 2) if mode == "shared" else None
