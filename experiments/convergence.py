@@ -68,7 +68,7 @@ from typing import List
 from experiments.convergence_ddp import run_worker
 
 METHODS = ("dense", "fp16", "powersgd", "topk", "twobit", "auto", "topk-noef", "twobit-noef", "topk-plain",
-           "twobit-plain")
+           "twobit-plain", "threebit")
 OPTIMIZERS = ("adamw", "sgdm")
 IN_PROGRESS_S = 120.0  # a log written to this recently belongs to a run still going elsewhere
 #: Held-out evaluations per run: every 2% of the steps.
