@@ -1,0 +1,46 @@
+"""Two diagnostics of charlm-small under SGD-momentum (seed 0, the study's 2000-step loop), run in the
+study's simulation of 2 ranks with the recipe's set-up changed from outside:
+
+* ``threebit-budget4``: 2-bit through the recipe (ThreeBit under SGD) with ``min_compression=4``,
+  which lengthens the dense start to the recipe's 5 % (100 steps) at about 6.3x fewer bytes;
+* ``twobit-chunk``: ``TwoBit("chunk")`` with the recipe's schedule at 8x (86 dense steps): the
+  optimizer is not passed to the recipe, so it does not substitute ThreeBit (SGD has no stage).
+
+Usage, from the repository root:
+``PYTHONPATH=. python experiments/results/research-threebit-adamw/screens/screen_sgdm.py VARIANT STEPS LOG``.
+"""
+import functools
+import sys
+
+import torch
+
+import gradcomp.setup as setup
+from experiments import simrun
+from experiments.convergence import RunSpec
+
+
+def main(variant: str, stop: int, log: str) -> None:
+    torch.set_num_threads(1)
+    prepare = setup.prepare
+    if variant == "threebit-budget4":
+        setup.prepare = functools.partial(prepare, min_compression=4.0)
+    elif variant == "twobit-chunk":
+        setup.prepare = lambda spec, named, optimizer=None, **kwargs: prepare(spec, named, **kwargs)
+    else:
+        raise SystemExit(f"unknown variant {variant!r}")
+    train_step = simrun._train_step
+
+    def limited(sim, workload, loop, step, schedulers):
+        if step >= stop:
+            raise KeyboardInterrupt  # the first STOP steps of the 2000-step schedule
+        return train_step(sim, workload, loop, step, schedulers)
+
+    simrun._train_step = limited
+    try:
+        simrun.run(RunSpec("charlm-small", "sgdm", "twobit", 0, 2000, 40), log)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
