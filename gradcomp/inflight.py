@@ -34,6 +34,9 @@ The remedy has two parts:
   ``PyEval_RestoreThread`` -> ``pthread_exit``, while the main thread was in ``Py_FinalizeEx``.
   The work releases its inputs (held aliases) before its outputs, so waiting for the aliases alone
   let the exit begin inside that window.
+* Collectives gradcomp does not start (the HF Trainer gathers its FLOP count on Python tensors at
+  the end of training) cannot be held: after the exact wait below, the exit also waits, bounded,
+  until Gloo's worker threads have been idle for a while (:func:`wait_for_idle_gloo_threads`).
 * Every callback is watched through a weak reference, and at interpreter exit (``atexit`` runs
   before finalization starts) the main thread waits, bounded by :data:`EXIT_WAIT_S`, until the
   communication threads have destroyed every callback and let go of every tensor.
@@ -58,6 +61,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import os
 import threading
 import time
 import weakref
@@ -68,6 +72,15 @@ import torch
 # The longest the interpreter's exit waits for collectives that never finish (a hung or dead
 # peer); a finished job waits for one work object's destruction, i.e. microseconds.
 EXIT_WAIT_S = 5.0
+# Then, at most this long, the exit waits for Gloo's worker threads to be idle: a collective gradcomp
+# did not start (the Trainer's gather of its FLOP count, a logging all_reduce) hands Gloo Python
+# tensors that it cannot hold, and the work that owns them is destroyed after wait() returns.
+IDLE_WAIT_S = 2.0
+# Gloo's worker threads are idle when none has been running or runnable for this long, sampled every
+# millisecond while this thread sleeps with the GIL free: longer than CPython's switch interval
+# (5 ms), the longest another Python thread keeps a thread that waits for the GIL off it.
+IDLE_FOR_S = 0.02
+_GLOO_THREAD = "pt_gloo_runloop"  # ProcessGroupGloo::runLoop's thread name
 # Held tensors beyond this many are dropped oldest first: a communication thread lets go of a
 # tensor right after the collective, so only the newest few can still be in use.
 _MAX_HELD = 1024
@@ -87,7 +100,52 @@ def _install_exit_hook() -> None:
     global _exit_hook_installed
     if not _exit_hook_installed:
         _exit_hook_installed = True
-        atexit.register(wait_until_released)
+        atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """Before the interpreter finalizes: gradcomp's own tensors and callbacks let go of (exact), then
+    Gloo's worker threads idle (for the collectives gradcomp did not start)."""
+    wait_until_released()
+    wait_for_idle_gloo_threads()
+
+
+def _gloo_thread_running() -> bool:
+    """Whether a Gloo worker thread of this process is running or runnable (``R`` in ``/proc``; a
+    thread freeing a finished work's tensors, or about to). ``False`` where ``/proc`` is missing."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as stat_file:
+                stat = stat_file.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, state = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:stat.rfind(")") + 3]
+        if name == _GLOO_THREAD and state == "R":
+            return True
+    return False
+
+
+def wait_for_idle_gloo_threads(timeout_s: float = IDLE_WAIT_S) -> bool:
+    """Wait (sleeping, the GIL free) until no Gloo worker thread has run for :data:`IDLE_FOR_S`.
+    Returns whether that happened within ``timeout_s``.
+
+    Not exact, unlike :func:`wait_until_released`: a thread that blocks on a lock for longer than
+    :data:`IDLE_FOR_S` before freeing a tensor is taken for idle. It covers what cannot be held:
+    the Python tensors of other libraries' collectives (measured: an HF Trainer rank aborted after
+    its last step, where the Trainer gathers its FLOP count on Python tensors)."""
+    deadline = time.monotonic() + timeout_s
+    idle_since = time.monotonic()
+    while time.monotonic() - idle_since < IDLE_FOR_S:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+        if _gloo_thread_running():
+            idle_since = time.monotonic()
+    return True
 
 
 def _prune() -> None:

@@ -14,6 +14,9 @@ MODE ``shared`` holds tensors that have two more C++ owners (DDP's reducer and t
 own a bucket buffer) which let go while Gloo still holds them: counting the tensor's own owners took
 that for Gloo's release and let go too early (3 of 3 jobs aborted); holding an alias that only the
 collective and ``gradcomp.inflight`` own does not (3 of 3 exited 0).
+MODE ``foreign`` hands Gloo the bare tensors, as another library's collective does, in a process that
+uses gradcomp: the exit waits for Gloo's worker threads to be idle
+(``gradcomp.inflight.wait_for_idle_gloo_threads``).
 MODE ``value`` forces the same order on the tensors a callback's ``value()`` makes Python objects of
 (Gloo's allgather into one tensor gives back views of it that only the work owns; the work is
 destroyed after the callback): bare, the abort; ``kept``, with ``gradcomp.inflight.keep`` as the DDP
@@ -76,6 +79,10 @@ if mode in ("held", "shared"):
     from gradcomp import inflight
 
     tensor, *outputs = inflight.hold(tensor, *outputs)  # what to hand to Gloo
+if mode == "foreign":  # gradcomp in use (its exit hook installed), the collective another library's
+    from gradcomp import inflight
+
+    inflight.hold(torch.zeros(1))
 work = dist.all_gather(outputs, tensor, async_op=True)
 del outputs, tensor, work  # Gloo's thread is now the last owner (bare) or not (held)
 if mode == "shared":

@@ -125,7 +125,8 @@ def test_a_late_gloo_thread_aborts_a_finished_script_unless_its_tensors_are_held
             break
     assert any(p.returncode in (-6, 134) and "terminate called" in p.stderr for p in bare), (
         f"the forced teardown order no longer aborts a bare script: {[(p.returncode, p.stderr[-300:]) for p in bare]}")
-    for mode in ("held", "shared", "held", "shared"):
+    # "foreign": the same bare tensors in a process that uses gradcomp, whose exit waits for Gloo's threads.
+    for mode in ("held", "shared", "foreign", "held", "shared", "foreign"):
         held = run_late_gloo_job(mode)
         assert held.returncode == 0, f"{mode}: the exit was not clean: {held.returncode} {held.stderr[-400:]}"
 
