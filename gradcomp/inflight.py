@@ -123,8 +123,8 @@ def _gloo_thread_running() -> bool:
                 stat = stat_file.read()
         except OSError:  # the thread ended meanwhile
             continue
-        name, state = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:stat.rfind(")") + 3]
-        if name == _GLOO_THREAD and state == "R":
+        head, _, fields = stat.rpartition(")")  # "pid (name) state ...": the name may hold spaces
+        if head.partition("(")[2] == _GLOO_THREAD and fields.split(None, 1)[0] == "R":
             return True
     return False
 
@@ -188,10 +188,13 @@ def keep(value: Any) -> None:
     interpreter exit that aborts the rank (see the module docstring). One more C++ owner here keeps
     that step on a Python thread. Call it in the callback, while the work still holds the tensors.
     """
-    tensors = [value] if isinstance(value, torch.Tensor) else []
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            keep(item)
+    tensors, pending = [], [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            tensors.append(item)
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
     with _lock:
         _install_exit_hook()
         for tensor in tensors:
