@@ -55,7 +55,7 @@ def convergence_table(rows: List[dict]) -> str:
     steps = {(r["workload"]): r["steps"] for r in rows}
     accuracy = {(r["workload"], r["optimizer"]): r["final_accuracy"] for r in rows if r["method"] == "dense"}
     lines = ["| workload (steps) | optimizer | dense | top-k 1% vs dense, bytes "
-             "| 2-bit (3-bit under SGD) vs dense, bytes |",
+             "| 2-bit (the recipe's 3-bit) vs dense, bytes |",
              "|---|---|---|---|---|"]
     for workload, optimizer in sorted({(c[0], c[1]) for c in summary}):
         dense = summary.get((workload, optimizer, "dense"))

@@ -10,8 +10,8 @@ collectives and what dense would have handed), an ``eval`` record every ``eval_e
 (held-out metrics of rank 0's replica, which every rank holds bitwise) and ``done``.
 
 Methods: ``dense`` (DDP's allreduce), ``topk`` (``"topk:0.01"``) and ``twobit`` (``"twobit:chunk"``)
-through the recipe (``threebit``: ``"threebit"``, the code the recipe gives 2-bit under SGD, under any
-optimizer), ``*-noef`` the same without error feedback, ``*-plain`` error feedback into the
+through the recipe (``threebit``: ``"threebit"``, the code the recipe gives 2-bit under SGD and
+Adam, under any optimizer), ``*-noef`` the same without error feedback, ``*-plain`` error feedback into the
 user's optimizer without the recipe (2 dense steps), as ``register(model, spec)`` alone does.
 Step times in these logs are the simulation's compute per rank and say nothing of a link.
 """

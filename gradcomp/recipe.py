@@ -5,20 +5,21 @@ from mechanisms that hold whatever the model, each measured on four workloads of
 (a transformer and a GRU language model, each under AdamW and SGD-momentum; the convergence study,
 ``experiments/results/convergence/``):
 
-* **2-bit is the chunk-scaled code** (``TwoBit("chunk")``): a level per 64 elements from the
-  chunk's own statistics. MXNet's fixed threshold and a per-tensor RMS drain a large coordinate by
-  ``t`` a step; with the chunk's own level 2-bit went from +27-32% above dense held-out loss to
-  +0.2-0.9% on three of the four cells. A ``TwoBit`` of another threshold given to the recipe is
-  replaced by it, with a notice.
-* **2-bit under SGD is the 3-bit code** (``ThreeBit()``): seven levels ``q * s`` with ``s`` the largest
-  magnitude of each 128 elements / 3, in the same byte budget (1/10 + 1/128 of dense against 1/16 + 1/64,
-  paid for by a shorter dense start). Under SGD-momentum the ternary code lags dense by a steady margin
-  from its first compressed steps; measured at 600 steps in the in-process simulation of 2 ranks (a
-  GPT, seeds 0-2, and charlm-small, seeds 0-4; the study's own runs are in
-  ``experiments/results/convergence/``): the ternary code +13.6 to +16.1% and +11.6% median
-  (worst +25.1%), seven levels -0.4 to +0.8% and +1.7% median (worst +20.7%: charlm-small's SGD-momentum
-  cell is at the edge of stability, dense itself spikes on one seed of five). Under Adam the variance
-  needs the longer dense start that only 2-bit's budget affords.
+* **2-bit is at least the chunk-scaled code** (``TwoBit("chunk")``, under SGD and Adam the 3-bit code,
+  below): a level per 64 elements from the chunk's own statistics. MXNet's fixed threshold and a
+  per-tensor RMS drain a large coordinate by ``t`` a step; with the chunk's own level 2-bit went from
+  +27-32% above dense held-out loss to +0.2-0.9% on three of the four cells. A ``TwoBit`` of another
+  threshold given to the recipe is replaced by it, with a notice.
+* **2-bit is the 3-bit code under SGD and Adam** (``ThreeBit()``): seven levels ``q * s`` with ``s`` the
+  largest magnitude of each 128 elements / 3, in the same byte budget (1/10 + 1/128 of dense against
+  1/16 + 1/64, paid for by a shorter dense start). Under SGD-momentum the ternary code lags dense by a
+  steady margin from its first compressed steps; measured at 600 steps in the in-process simulation of
+  2 ranks (a GPT, seeds 0-2, and charlm-small, seeds 0-4): the ternary code +13.6 to +16.1% and +11.6%
+  median (worst +25.1%), seven levels -0.4 to +0.8% and +1.7% median. Under AdamW, at the study's
+  length (``experiments/results/research-threebit-adamw/``), seven levels beat the ternary code on all
+  five workloads although the dense start shrinks to the budget's (22 of 2000 steps on charlm-small):
+  charlm-small +0.8% median against +2.5% (seeds 0-2), the GPT -4.7% against -0.8%, proselm -8.5%
+  against +0.5%. Other optimizers keep the ternary chunk code (not measured).
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
   of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
   the run (Adam's second moment is estimated there, then frozen; a loop that sets the rate by hand
@@ -298,16 +299,17 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"the recipe needs total_steps=<optimizer steps in the run> (an integer >= 1), "
                          f"got {total_steps!r}")
-    if isinstance(compressor, TwoBit) and not compressor.chunked:
+    if isinstance(compressor, TwoBit) and isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
+        notice(f"recipe: under {type(optimizer).__name__} 2-bit runs as ThreeBit(), seven levels with a scale per "
+               "128 elements, in the same byte budget (measured: SGD-momentum, 600 steps, a GPT +13.6-16.1% above "
+               "dense with the ternary code, -0.4-+0.8% with seven levels; AdamW, charlm-small, 2000 steps, +2.5% "
+               "against +0.8%)", announce)
+        compressor = ThreeBit()
+    elif isinstance(compressor, TwoBit) and not compressor.chunked:
         notice(f"recipe: 2-bit runs as TwoBit({TWOBIT!r}), a level per 64 elements, in place of {compressor!r} "
                "(measured: +27-32% held-out loss over dense with a per-tensor threshold, +0.2-0.9% with the "
                "chunk's own level)", announce)
         compressor = TwoBit(TWOBIT)
-    if isinstance(compressor, TwoBit) and isinstance(optimizer, torch.optim.SGD):
-        notice("recipe: under SGD 2-bit runs as ThreeBit(), seven levels with a scale per 128 elements, in the "
-               "same byte budget (measured under SGD-momentum, 600 steps: the ternary code ended +13.6-16.1% above "
-               "dense on a GPT and +11.6% median on charlm-small; seven levels -0.4-+0.8% and +1.7%)", announce)
-        compressor = ThreeBit()
     family = next((name for name, kind in _FAMILIES if isinstance(compressor, kind)), None)
     if family is None:  # casts: no residual, no recipe needed beyond DDP's rebuild
         return Plan(compressor, total_steps, 2, PlannedSchedule(DenseWarmup(2), total_steps, announce), None,

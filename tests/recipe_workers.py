@@ -46,8 +46,8 @@ class Run:
             return
         dense_steps, stage_steps, densities = hand
         compressor = gradcomp.from_spec(spec)
-        if spec.startswith("twobit"):  # the recipe's 2-bit code: seven levels under SGD
-            compressor = gradcomp.ThreeBit() if kind == "sgd" else gradcomp.TwoBit("chunk")
+        if spec.startswith("twobit"):  # the recipe's 2-bit code under SGD and Adam: seven levels
+            compressor = gradcomp.ThreeBit()
         schedule = (SparsityRamp(dense_steps, stage_steps, densities) if densities else DenseWarmup(dense_steps))
         self.optimizer = make_optimizer(kind, self.model)
         transform = None

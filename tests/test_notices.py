@@ -23,8 +23,8 @@ def run_ranks(*extra):
 @pytest.mark.multiprocess
 def test_the_recipes_decisions_reach_stderr_on_rank_0_only():
     rank0, rank1 = run_ranks()
-    assert rank0.count("RecipeNotice: gradcomp: recipe: TwoBit(threshold='chunk')") == 1  # the summary
-    assert rank0.count("runs as TwoBit('chunk')") == 1  # the substituted code
+    assert rank0.count("RecipeNotice: gradcomp: recipe: ThreeBit(") == 1  # the summary
+    assert rank0.count("under AdamW 2-bit runs as ThreeBit()") == 1  # the substituted code
     assert rank0.count("past the total_steps=3") == 1  # a run longer than its plan, said once
     assert "notice_worker.py" in rank0.split("RecipeNotice")[0].splitlines()[-1]  # attributed to the user's line
     assert "RecipeNotice" not in rank1

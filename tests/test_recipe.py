@@ -17,7 +17,7 @@ from gradcomp.setup import RecipeNotice
 # step 5 (> 5% of 40), so 5 dense steps; top-k 1% ramps from the densest start the 2x budget affords
 # over the shortest ramp (1/4), halving down to 1/64, each stage as long as the budget allows but at
 # most 3/4 of the 35 remaining steps in all (5 each). The same under SGD (no stage: its momentum
-# runs after the exchange). 2-bit runs as TwoBit("chunk") after the dense start, as ThreeBit() under SGD.
+# runs after the exchange). 2-bit runs as ThreeBit() after the dense start under SGD and AdamW.
 RAMP = (5, 5, (0.25, 0.125, 0.0625, 0.03125, 0.015625))
 DENSE_ONLY = (5, None, ())
 CASES = [("sgd", "topk:0.01", RAMP), ("sgd", "twobit:rms", DENSE_ONLY), ("adamw", "topk:0.01", RAMP),
@@ -149,8 +149,10 @@ def test_optimizer_stages_by_optimizer():
     assert seven.compressor.spec == "threebit" and seven.transform is None
     assert seven.expected_compression >= 8.0 * 0.999  # the same budget as 2-bit's
     adam = torch.optim.Adam(params, lr=1e-3)
-    with pytest.warns(RecipeNotice, match="runs as TwoBit\\('chunk'\\)"):
-        assert plan("twobit:rms", adam, 1000, None, named).compressor.spec == "twobit:chunk"
+    with pytest.warns(RecipeNotice, match="under Adam 2-bit runs as ThreeBit"):
+        assert plan("twobit:rms", adam, 1000, None, named).compressor.spec == "threebit"
+    with pytest.warns(RecipeNotice, match="runs as TwoBit\\('chunk'\\)"):  # no stage: the chunk code
+        assert plan("twobit:rms", torch.optim.Adagrad(params), 1000, None, named).compressor.spec == "twobit:chunk"
     quantized = plan("twobit:chunk", adam, 1000, None, named)
     assert isinstance(quantized.transform, FrozenVarianceAdam) and quantized.transform.exchange == "gradient"
     assert quantized.transform.freeze_step == quantized.dense_steps

@@ -1,5 +1,5 @@
-"""Two diagnostics of charlm-small under SGD-momentum (seed 0, the study's 2000-step loop), run in the
-study's simulation of 2 ranks with the recipe's set-up changed from outside:
+"""Two diagnostics of a workload under SGD-momentum (seed 0, the study's loop and length; charlm-small
+unless named), run in the study's simulation of 2 ranks with the recipe's set-up changed from outside:
 
 * ``threebit-budget4``: 2-bit through the recipe (ThreeBit under SGD) with ``min_compression=4``,
   which lengthens the dense start to the recipe's 5 % (100 steps) at about 6.3x fewer bytes;
@@ -7,7 +7,8 @@ study's simulation of 2 ranks with the recipe's set-up changed from outside:
   optimizer is not passed to the recipe, so it does not substitute ThreeBit (SGD has no stage).
 
 Usage, from the repository root:
-``PYTHONPATH=. python experiments/results/research-threebit-adamw/screens/screen_sgdm.py VARIANT STEPS LOG``.
+``PYTHONPATH=. python experiments/results/research-threebit-adamw/screens/screen_sgdm.py VARIANT STEPS LOG
+[WORKLOAD]`` (STEPS: where to stop, of the study's run).
 """
 import functools
 import sys
@@ -17,9 +18,10 @@ import torch
 import gradcomp.setup as setup
 from experiments import simrun
 from experiments.convergence import RunSpec
+from experiments.suite import STEPS
 
 
-def main(variant: str, stop: int, log: str) -> None:
+def main(variant: str, stop: int, log: str, workload: str = "charlm-small") -> None:
     torch.set_num_threads(1)
     prepare = setup.prepare
     if variant == "threebit-budget4":
@@ -32,15 +34,15 @@ def main(variant: str, stop: int, log: str) -> None:
 
     def limited(sim, workload, loop, step, schedulers):
         if step >= stop:
-            raise KeyboardInterrupt  # the first STOP steps of the 2000-step schedule
+            raise KeyboardInterrupt  # the first STOP steps of the study's schedule
         return train_step(sim, workload, loop, step, schedulers)
 
     simrun._train_step = limited
     try:
-        simrun.run(RunSpec("charlm-small", "sgdm", "twobit", 0, 2000, 40), log)
+        simrun.run(RunSpec(workload, "sgdm", "twobit", 0, STEPS[workload], STEPS[workload] // 50), log)
     except KeyboardInterrupt:
         pass
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
