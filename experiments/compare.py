@@ -311,7 +311,7 @@ def quick(args) -> int:
          "--link", "unshaped"],
         ["experiments.step_times", "--workload", "charlm-small", "--optimizer", "adamw", "--links",
          args.links or ",".join(QUICK_LINKS), "--rounds", str(QUICK_ROUNDS), "--steps", str(QUICK_TIMED_STEPS),
-         "--out", os.path.join(out, "step_times")],
+         "--run-steps", str(args.steps or QUICK_STEPS), "--out", os.path.join(out, "step_times")],
         ["experiments.time_to_accuracy", "--convergence", os.path.join(out, "convergence"), "--step-times",
          os.path.join(out, "step_times"), "--out", os.path.join(out, "time_to_accuracy")],
     ]

@@ -49,7 +49,7 @@ def launch_times(workload: str, optimizer: str, method: str, link, args) -> List
     with tempfile.TemporaryDirectory() as scratch:
         log_path = os.path.join(scratch, "log.jsonl")
         command = horovodrun_command(["--study-spec", json.dumps(spec), "--planned-steps", str(args.planned_steps),
-                                      "--log", log_path])
+                                      "--code-steps", str(args.run_steps), "--log", log_path])
         env = link.env()
         env.update(PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
         with open(os.path.join(scratch, "out"), "w") as output:
@@ -115,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--planned-steps", type=int, default=8, help="the recipe's total_steps in a launch")
     parser.add_argument("--settle", type=int, default=2, help="untimed steps after the planned ones")
     parser.add_argument("--launch-timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument("--run-steps", type=int, default=200, help="the run whose recipe is timed: its length "
+                        "decides the 2-bit code (the Horovod convergence run's 200 steps)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.steps <= args.planned_steps + args.settle:

@@ -81,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--study-spec", help="a convergence study's run (RunSpec as JSON): replaces the workload, "
                         "the loop, --compressor and --steps")
     parser.add_argument("--planned-steps", type=int, help="the recipe's total_steps (default: the run's steps)")
+    parser.add_argument("--code-steps", type=int, help="--study-spec: the run whose 2-bit code the recipe runs "
+                        "(experiments.methods.study_spec; default: the recipe's total_steps)")
     args = parser.parse_args(argv)
     args.suite_spec = json.loads(args.study_spec) if args.study_spec else None
     if args.suite_spec is not None:
@@ -216,12 +218,12 @@ class HorovodRun(Run):
             return (hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=compression), stock,
                     args.compressor)
         if args.suite_spec is not None:  # the study's method with the one-call recipe, as on DDP
-            from experiments.methods import STUDY_DENSITY
+            from experiments.methods import study_spec
 
-            spec_text = "twobit:chunk" if args.compressor == "twobit" else f"topk:{STUDY_DENSITY}"
+            planned = args.planned_steps or args.steps
+            spec_text = study_spec(args.compressor, self.net, optimizer, args.code_steps or planned)
             wrapped = gc_hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=from_spec(spec_text),
-                                                  total_steps=args.planned_steps or args.steps,
-                                                  scheduler=self.scheduler)
+                                                  total_steps=planned, scheduler=self.scheduler)
             return wrapped, None, args.compressor
         if args.compressor == "topk":
             compressor = from_spec(f"topk:{args.density!r}")

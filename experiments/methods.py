@@ -246,13 +246,30 @@ class StudyTelemetry:
         return {"bytes_sent": int(out["bytes_sent"]), "dense_bytes": int(out["dense_bytes"])}
 
 
+def study_spec(base: str, model, optimizer, run_steps: int) -> str:
+    """The compressor spec of the study's ``topk`` or ``twobit`` (``base``): top-k at :data:`STUDY_DENSITY`;
+    2-bit as the recipe codes it for a ``run_steps``-step run of ``model`` under ``optimizer``
+    (:func:`gradcomp.recipe.code`: 3-bit or the ternary chunk code), so that a benchmark that plans for
+    fewer steps times the code of the run it stands for."""
+    from gradcomp.compressors import TwoBit
+    from gradcomp.recipe import code, dense_share
+    from gradcomp.settings import DEFAULT_MIN_NUMEL
+
+    if base != "twobit":
+        return f"topk:{STUDY_DENSITY}"
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return code(TwoBit("chunk"), optimizer, run_steps, None, dense_share(named, DEFAULT_MIN_NUMEL)).spec
+
+
 def attach_study_method(model, method: str, optimizer, scheduler, total_steps: int, seed: int = 0,
-                        dense_bytes: Optional[int] = None) -> StudyTelemetry:
+                        dense_bytes: Optional[int] = None, code_steps: Optional[int] = None) -> StudyTelemetry:
     """Register a method of the convergence study (``experiments.convergence.METHODS``) or ``noop`` on the
     DDP ``model``: torch's (``dense``, ``fp16``, ``powersgd``) through :func:`attach_method`; gradcomp's
     ``topk``, ``twobit``, ``auto`` with the one-call recipe over ``total_steps`` (``-noef``: without error
     feedback; ``-plain``: plain error feedback after 2 dense steps, no recipe), top-k at
-    :data:`STUDY_DENSITY`, 2-bit at a level per chunk."""
+    :data:`STUDY_DENSITY`, 2-bit at a level per chunk. ``code_steps``: the length of the run whose 2-bit
+    code the recipe runs (:func:`study_spec`), where it plans for fewer steps than the run (a step-time
+    benchmark at the final setting)."""
     import argparse
 
     import gradcomp
@@ -265,6 +282,8 @@ def attach_study_method(model, method: str, optimizer, scheduler, total_steps: i
         return StudyTelemetry(attach_method(model, method, args, dense_bytes))
     base, _, variant = method.partition("-")
     spec_text = "twobit:chunk" if base == "twobit" else f"topk:{STUDY_DENSITY}"
+    if code_steps is not None and variant != "plain":
+        spec_text = study_spec(base, model, optimizer, code_steps)
     if variant == "plain":
         return StudyTelemetry(state=gradcomp_ddp.register(model, spec_text, warmup_steps=2))
     kwargs = {"error_feedback": variant != "noef"}

@@ -68,7 +68,7 @@ def _agree_on_link(rate: str, rank: int) -> None:
     dist.barrier()
 
 
-def _replica(method: str, net, loop):
+def _replica(method: str, net, loop, run_steps: int):
     """``(ddp model, optimizer, scheduler, gradcomp state or None)`` of ``method`` on a copy of ``net``."""
     import copy
 
@@ -81,9 +81,11 @@ def _replica(method: str, net, loop):
     model = copy.deepcopy(net)
     ddp = DistributedDataParallel(model)
     optimizer, scheduler = loops.build_optimizer(loop, model)
-    # gradcomp's recipes at their final setting after PLANNED_STEPS; the others as they are.
+    # gradcomp's recipes at their final setting after PLANNED_STEPS, with the 2-bit code of a run_steps
+    # run (3-bit's payload costs 1.38x the ternary code's); the others as they are.
     telemetry = methods.attach_study_method(ddp, method, optimizer, scheduler, PLANNED_STEPS,
-                                            dense_bytes=sum(p.numel() * 4 for p in model.parameters()))
+                                            dense_bytes=sum(p.numel() * 4 for p in model.parameters()),
+                                            code_steps=run_steps)
     torch.manual_seed(0)
     return ddp, optimizer, scheduler, telemetry.state
 
@@ -149,7 +151,8 @@ def bench_rank(rank: int, world_size: int, args) -> None:
     methods, links = args.methods.split(","), args.links.split(",")
     # A policy measures the link it runs on: `auto` has one replica per link, set up on that link.
     keys = [(m, rate) for m in methods for rate in (links if m in PER_LINK else [None])]
-    replicas = {key: _replica(key[0], net, loop) for key in keys}
+    run_steps = args.run_steps or suite.STEPS[args.workload]
+    replicas = {key: _replica(key[0], net, loop, run_steps) for key in keys}
     counter = {key: 0 for key in keys}
 
     def steps(key, count):
@@ -222,6 +225,8 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method, link and round")
     parser.add_argument("--settle", type=int, default=2, help="untimed steps after each link change")
+    parser.add_argument("--run-steps", type=int, help="the run whose recipe is timed: its length decides the 2-bit "
+                        "code (default: the convergence study's length of the workload)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=3600.0)

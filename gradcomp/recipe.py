@@ -19,7 +19,11 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   length (``experiments/results/research-threebit-adamw/``), seven levels beat the ternary code on all
   five workloads although the dense start shrinks to the budget's (22 of 2000 steps on charlm-small):
   charlm-small +0.8% median against +2.5% (seeds 0-2), the GPT -4.7% against -0.8%, proselm -8.5%
-  against +0.5%. Other optimizers keep the ternary chunk code (not measured).
+  against +0.5%. Under Adam the finer code's dearer payload must still leave the frozen variance its
+  samples: where 3-bit's dense start is shorter than :data:`~gradcomp.optim.frozen_adam.MIN_STEADY_FREEZE`
+  steps and the ternary code's is longer, the ternary code runs (charlm-small under AdamW, 200 steps:
+  3-bit's 2 dense steps ended +18.2%, the ternary code's 11 -0.3%). Other optimizers keep the ternary
+  chunk code (not measured). :func:`code` gives the choice alone.
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
   of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
   the run (Adam's second moment is estimated there, then frozen; a loop that sets the rate by hand
@@ -69,7 +73,7 @@ from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
 from gradcomp.schedule import DenseWarmup, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
-__all__ = ["Plan", "plan", "DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION", "PlannedSchedule"]
+__all__ = ["Plan", "plan", "code", "DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION", "PlannedSchedule"]
 
 #: The share of the run that starts dense when the LR warm-up is shorter or unknown, as long as the
 #: byte budget allows it (2-bit's code costs 7.8% of dense, which leaves about 4% of the run for an
@@ -299,23 +303,13 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"the recipe needs total_steps=<optimizer steps in the run> (an integer >= 1), "
                          f"got {total_steps!r}")
-    if isinstance(compressor, TwoBit) and isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
-        notice(f"recipe: under {type(optimizer).__name__} 2-bit runs as ThreeBit(), seven levels with a scale per "
-               "128 elements, in the same byte budget (measured: SGD-momentum, 600 steps, a GPT +13.6-16.1% above "
-               "dense with the ternary code, -0.4-+0.8% with seven levels; AdamW, charlm-small, 2000 steps, +2.5% "
-               "against +0.8%)", announce)
-        compressor = ThreeBit()
-    elif isinstance(compressor, TwoBit) and not compressor.chunked:
-        notice(f"recipe: 2-bit runs as TwoBit({TWOBIT!r}), a level per 64 elements, in place of {compressor!r} "
-               "(measured: +27-32% held-out loss over dense with a per-tensor threshold, +0.2-0.9% with the "
-               "chunk's own level)", announce)
-        compressor = TwoBit(TWOBIT)
+    dense = dense_share(named_parameters, min_numel)
+    compressor = code(compressor, optimizer, total_steps, scheduler, dense, min_compression, announce)
     family = next((name for name, kind in _FAMILIES if isinstance(compressor, kind)), None)
     if family is None:  # casts: no residual, no recipe needed beyond DDP's rebuild
         return Plan(compressor, total_steps, 2, PlannedSchedule(DenseWarmup(2), total_steps, announce), None,
                     "no error feedback (a cast)", notes=("casts need no recipe",))
     budget = min_compression or MIN_COMPRESSION[family]
-    dense = dense_share(named_parameters, min_numel)
     notes = []
     dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, dense, notes)
     schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget, dense)
@@ -330,6 +324,42 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     for note in notes:
         notice(f"recipe: {note}", announce)
     return result
+
+
+def code(compressor, optimizer=None, total_steps: int = 1, scheduler=None, dense: float = 0.0,
+         min_compression: Optional[float] = None, announce: bool = False) -> Compressor:
+    """The compressor the recipe runs for ``compressor`` (module docstring), without side effects: a
+    ``TwoBit`` becomes ``ThreeBit()`` under SGD, and under Adam where the byte budget affords 3-bit
+    :data:`~gradcomp.optim.frozen_adam.MIN_STEADY_FREEZE` dense steps or as many as the ternary code's;
+    else ``TwoBit("chunk")``. Any other compressor is returned as it is. ``dense``: the share of
+    elements sent dense (:func:`dense_share`); the notices say what was substituted and why."""
+    from gradcomp.optim.frozen_adam import MIN_STEADY_FREEZE
+    from gradcomp.setup import notice
+
+    if not isinstance(compressor, TwoBit):
+        return compressor
+    name = type(optimizer).__name__
+    finer, ternary = ThreeBit(), TwoBit(TWOBIT)
+    if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
+        budget = 1 / (min_compression or MIN_COMPRESSION["threebit"])
+        steps = _dense_start(finer, total_steps, scheduler, budget, dense, [])
+        needed = min(MIN_STEADY_FREEZE, _dense_start(ternary, total_steps, scheduler, budget, dense, []))
+        if isinstance(optimizer, torch.optim.SGD) or steps >= needed:
+            notice(f"recipe: under {name} 2-bit runs as ThreeBit(), seven levels with a scale per 128 elements, in "
+                   "the same byte budget (measured: SGD-momentum, 600 steps, a GPT +13.6-16.1% above dense with "
+                   "the ternary code, -0.4-+0.8% with seven levels; AdamW, charlm-small, 2000 steps, +2.5% against "
+                   "+0.8%)", announce)
+            return finer
+        notice(f"recipe: under {name} 2-bit runs as TwoBit({TWOBIT!r}), not ThreeBit(): 3-bit's dearer payload "
+               f"would leave {steps} dense steps of this {total_steps}-step run for Adam's variance before the "
+               f"freeze, the ternary code {needed} (measured: charlm-small under AdamW, 200 steps, 2 dense steps "
+               "+18.2% above dense)", announce)
+        return ternary
+    if not compressor.chunked:
+        notice(f"recipe: 2-bit runs as TwoBit({TWOBIT!r}), a level per 64 elements, in place of {compressor!r} "
+               "(measured: +27-32% held-out loss over dense with a per-tensor threshold, +0.2-0.9% with the "
+               "chunk's own level)", announce)
+    return ternary
 
 
 def _granularity(optimizer, compressor) -> Optional[str]:

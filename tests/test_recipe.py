@@ -167,6 +167,30 @@ def test_optimizer_stages_by_optimizer():
         FrozenVarianceAdam(torch.optim.Adam(params, amsgrad=True), named, freeze_step=5)
 
 
+def test_under_adam_a_run_too_short_for_3_bits_dense_start_keeps_the_ternary_code():
+    """3-bit's payload leaves a 200-step run 2 dense steps at 8x: Adam's variance would freeze on 2
+    gradients, so the ternary code, whose budget leaves more, runs; SGD (no variance) keeps 3-bit.
+    :func:`gradcomp.recipe.code` decides without touching the optimizer."""
+    from gradcomp.optim.frozen_adam import MIN_STEADY_FREEZE
+    from gradcomp.recipe import code
+
+    named = named_mlp()
+    params = [p for _, p in named]
+    adam = torch.optim.AdamW(params, lr=1e-3)
+    with pytest.warns(RecipeNotice, match="not ThreeBit\\(\\): .* dense steps of this 200-step run"):
+        short = plan("twobit:chunk", adam, 200, None, named, min_numel=0)
+    assert short.compressor.spec == "twobit:chunk" and short.dense_steps >= MIN_STEADY_FREEZE
+    assert short.transform.freeze_step == short.dense_steps
+    assert plan("twobit:chunk", adam, 2000, None, named, min_numel=0).compressor.spec == "threebit"
+    assert plan("twobit:chunk", torch.optim.SGD(params, lr=0.1), 200, None, named, min_numel=0).compressor.spec \
+        == "threebit"
+    fresh = torch.optim.AdamW(params, lr=1e-3)
+    assert code(gradcomp.TwoBit("chunk"), fresh, 2000).spec == "threebit"
+    assert code(gradcomp.TwoBit("chunk"), fresh, 200).spec == "twobit:chunk"
+    assert code(gradcomp.TopK(0.01), fresh, 200).spec == "topk:0.01"
+    assert not fresh._optimizer_step_pre_hooks and not fresh.state  # no stage was built
+
+
 def test_top_k_under_sgd_selects_over_the_whole_group_and_an_explicit_choice_wins():
     """In gradient units the group's own top-k is the largest first-order decrease; under Adam (update
     units) and for quantizers the engine's per-parameter default stays. A user's granularity is kept."""

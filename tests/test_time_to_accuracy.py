@@ -134,7 +134,7 @@ def test_the_study_under_horovod_runs_the_recipe_and_its_step_times_feed_the_tim
     assert config["recipe"].startswith("TopK(") and config["world_size"] == 2
     timed = subprocess.run([sys.executable, "-m", "experiments.horovod_step_times", "--workload", "charlm-tiny",
                             "--links", "unshaped", "--rounds", "2", "--steps", "9", "--planned-steps", "4",
-                            "--settle", "1", "--out", str(tmp_path / "times")],
+                            "--settle", "1", "--run-steps", "12", "--out", str(tmp_path / "times")],
                            capture_output=True, text=True, timeout=1000, env=env, cwd=root)
     assert timed.returncode == 0, timed.stdout[-3000:] + timed.stderr[-3000:]
     times = json.loads((tmp_path / "times" / "step_times_charlm-tiny_adamw.json").read_text())
@@ -143,6 +143,24 @@ def test_the_study_under_horovod_runs_the_recipe_and_its_step_times_feed_the_tim
     result = tta.rows_for(list(rows.values()), times)
     assert {r["method"] for r in result} == {"dense", "topk", "twobit"}
     assert next(r for r in result if r["method"] == "dense")["steps_to_target"] is not None
+
+
+def test_a_benchmark_planned_short_times_the_2_bit_code_of_the_run_it_stands_for():
+    # The step-time benchmarks plan the recipe for a few steps to reach its final setting; the 2-bit
+    # code depends on the run's length under Adam (3-bit's dense start must leave Adam's variance its
+    # samples), so they time the code of the study's run: charlm-small under AdamW runs 3-bit over the
+    # study's 2000 steps and the ternary code over the main job's 200, under SGD 3-bit either way.
+    import torch
+
+    from experiments import suite
+    from experiments.methods import study_spec
+
+    model = suite.build("charlm-small", 0, 8).build_model()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert study_spec("twobit", model, adamw, 2000) == "threebit"
+    assert study_spec("twobit", model, adamw, 200) == "twobit:chunk"
+    assert study_spec("twobit", model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 200) == "threebit"
+    assert study_spec("topk", model, adamw, 200) == "topk:0.01" and not adamw.state
 
 
 def test_with_several_seeds_each_seed_meets_its_own_dense_and_the_row_is_the_upper_median():
