@@ -22,7 +22,7 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   against +0.5%. Under Adam the finer code's dearer payload must still leave the frozen variance its
   samples: where 3-bit's dense start is shorter than :data:`~gradcomp.optim.frozen_adam.MIN_STEADY_FREEZE`
   steps and the ternary code's is longer, the ternary code runs (charlm-small under AdamW, 200 steps:
-  3-bit's 2 dense steps ended +18.2%, the ternary code's 11 -0.3%). Other optimizers keep the ternary
+  3-bit's 2 dense steps ended +18.2%, the ternary code's 8 -0.3%). Other optimizers keep the ternary
   chunk code (not measured). :func:`code` gives the choice alone.
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
   of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
@@ -343,8 +343,8 @@ def code(compressor, optimizer=None, total_steps: int = 1, scheduler=None, dense
     if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
         budget = 1 / (min_compression or MIN_COMPRESSION["threebit"])
         steps = _dense_start(finer, total_steps, scheduler, budget, dense, [])
-        needed = min(MIN_STEADY_FREEZE, _dense_start(ternary, total_steps, scheduler, budget, dense, []))
-        if isinstance(optimizer, torch.optim.SGD) or steps >= needed:
+        ternary_steps = _dense_start(ternary, total_steps, scheduler, budget, dense, [])
+        if isinstance(optimizer, torch.optim.SGD) or steps >= min(MIN_STEADY_FREEZE, ternary_steps):
             notice(f"recipe: under {name} 2-bit runs as ThreeBit(), seven levels with a scale per 128 elements, in "
                    "the same byte budget (measured: SGD-momentum, 600 steps, a GPT +13.6-16.1% above dense with "
                    "the ternary code, -0.4-+0.8% with seven levels; AdamW, charlm-small, 2000 steps, +2.5% against "
@@ -352,8 +352,8 @@ def code(compressor, optimizer=None, total_steps: int = 1, scheduler=None, dense
             return finer
         notice(f"recipe: under {name} 2-bit runs as TwoBit({TWOBIT!r}), not ThreeBit(): 3-bit's dearer payload "
                f"would leave {steps} dense steps of this {total_steps}-step run for Adam's variance before the "
-               f"freeze, the ternary code {needed} (measured: charlm-small under AdamW, 200 steps, 2 dense steps "
-               "+18.2% above dense)", announce)
+               f"freeze, the ternary code {ternary_steps} (measured: charlm-small under AdamW, 200 steps: 2 dense "
+               "steps and 3-bit +18.2% above dense, 8 and the ternary code -0.3%)", announce)
         return ternary
     if not compressor.chunked:
         notice(f"recipe: 2-bit runs as TwoBit({TWOBIT!r}), a level per 64 elements, in place of {compressor!r} "
