@@ -58,8 +58,10 @@ __all__ = ["Auto", "DEFAULT_CANDIDATES"]
 
 logger = logging.getLogger(__name__)
 
-# The recipe's 2-bit code (a level per 64 elements from the chunk itself): a fixed threshold fits
-# gradients of one known magnitude only and sends almost nothing elsewhere.
+# The ternary chunk code (a level per 64 elements from the chunk itself; the recipe's 2-bit where it
+# does not run 3-bit, gradcomp.recipe.code): a fixed threshold fits gradients of one known magnitude
+# only and sends almost nothing elsewhere. A policy measures each candidate's cost per bucket; which
+# code converges best for the run is the recipe's question, not the policy's.
 DEFAULT_CANDIDATES = ("fp16", "twobit:chunk", "topk:0.01")
 _NS = 1e9
 _MISSING = -1  # a measurement that was no finite time >= 0, as shared with the other ranks
