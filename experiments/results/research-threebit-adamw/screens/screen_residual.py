@@ -11,7 +11,8 @@ bounded before each compressed step, in the study's simulation of 2 ranks, patch
 
 Usage, from the repository root:
 ``PYTHONPATH=. python experiments/results/research-threebit-adamw/screens/screen_residual.py VARIANT STEPS
-LOG [WORKLOAD [OPTIMIZER]]`` (STEPS: where to stop, of the study's run).
+LOG [WORKLOAD [OPTIMIZER [METHOD]]]`` (STEPS: where to stop, of the study's run; METHOD: the study's
+``twobit`` unless named).
 """
 import sys
 
@@ -47,7 +48,8 @@ def clipped(compensate, variant: str):
     return run
 
 
-def main(variant: str, stop: int, log: str, workload: str = "charlm-small", optimizer: str = "sgdm") -> None:
+def main(variant: str, stop: int, log: str, workload: str = "charlm-small", optimizer: str = "sgdm",
+         method: str = "twobit") -> None:
     torch.set_num_threads(1)
     Engine._compensate = clipped(Engine._compensate, variant)
     train_step = simrun._train_step
@@ -59,7 +61,7 @@ def main(variant: str, stop: int, log: str, workload: str = "charlm-small", opti
 
     simrun._train_step = limited
     try:
-        simrun.run(RunSpec(workload, optimizer, "twobit", 0, STEPS[workload], STEPS[workload] // 50), log)
+        simrun.run(RunSpec(workload, optimizer, method, 0, STEPS[workload], STEPS[workload] // 50), log)
     except KeyboardInterrupt:
         pass
 
