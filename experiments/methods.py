@@ -281,9 +281,10 @@ def attach_study_method(model, method: str, optimizer, scheduler, total_steps: i
         args = argparse.Namespace(seed=seed, density=STUDY_DENSITY, threshold="chunk", backend=None)
         return StudyTelemetry(attach_method(model, method, args, dense_bytes))
     base, _, variant = method.partition("-")
-    spec_text = "twobit:chunk" if base == "twobit" else f"topk:{STUDY_DENSITY}"
     if code_steps is not None and variant != "plain":
         spec_text = study_spec(base, model, optimizer, code_steps)
+    else:
+        spec_text = "twobit:chunk" if base == "twobit" else f"topk:{STUDY_DENSITY}"
     if variant == "plain":
         return StudyTelemetry(state=gradcomp_ddp.register(model, spec_text, warmup_steps=2))
     kwargs = {"error_feedback": variant != "noef"}

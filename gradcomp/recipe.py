@@ -341,9 +341,10 @@ def code(compressor, optimizer=None, total_steps: int = 1, scheduler=None, dense
     name = type(optimizer).__name__
     finer, ternary = ThreeBit(), TwoBit(TWOBIT)
     if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
-        budget = 1 / (min_compression or MIN_COMPRESSION["threebit"])
-        steps = _dense_start(finer, total_steps, scheduler, budget, dense, [])
-        ternary_steps = _dense_start(ternary, total_steps, scheduler, budget, dense, [])
+        if isinstance(optimizer, torch.optim.Adam):  # SGD has no variance to estimate: 3-bit whatever the start
+            budget = 1 / (min_compression or MIN_COMPRESSION["threebit"])
+            steps = _dense_start(finer, total_steps, scheduler, budget, dense, [])
+            ternary_steps = _dense_start(ternary, total_steps, scheduler, budget, dense, [])
         if isinstance(optimizer, torch.optim.SGD) or steps >= min(MIN_STEADY_FREEZE, ternary_steps):
             notice(f"recipe: under {name} 2-bit runs as ThreeBit(), seven levels with a scale per 128 elements, in "
                    "the same byte budget (measured: SGD-momentum, 600 steps, a GPT +13.6-16.1% above dense with "

@@ -17,10 +17,8 @@ LOG [WORKLOAD [OPTIMIZER [METHOD]]]`` (STEPS: where to stop, of the study's run;
 import sys
 
 import torch
+from screen_sgdm import run_prefix  # this directory, on sys.path when run as a script
 
-from experiments import simrun
-from experiments.convergence import RunSpec
-from experiments.suite import STEPS
 from gradcomp.engine import Engine
 
 
@@ -52,18 +50,7 @@ def main(variant: str, stop: int, log: str, workload: str = "charlm-small", opti
          method: str = "twobit") -> None:
     torch.set_num_threads(1)
     Engine._compensate = clipped(Engine._compensate, variant)
-    train_step = simrun._train_step
-
-    def limited(sim, workload_, loop, step, schedulers):
-        if step >= stop:
-            raise KeyboardInterrupt  # the first STOP steps of the study's schedule
-        return train_step(sim, workload_, loop, step, schedulers)
-
-    simrun._train_step = limited
-    try:
-        simrun.run(RunSpec(workload, optimizer, method, 0, STEPS[workload], STEPS[workload] // 50), log)
-    except KeyboardInterrupt:
-        pass
+    run_prefix(stop, log, workload, optimizer, method)
 
 
 if __name__ == "__main__":

@@ -30,18 +30,26 @@ def main(variant: str, stop: int, log: str, workload: str = "charlm-small") -> N
         setup.prepare = lambda spec, named, optimizer=None, **kwargs: prepare(spec, named, **kwargs)
     else:
         raise SystemExit(f"unknown variant {variant!r}")
+    run_prefix(stop, log, workload, "sgdm", "twobit")
+
+
+def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str) -> None:
+    """The study's run of ``workload``/``optimizer``/``method`` (seed 0, its length), its first ``stop``
+    steps, logged to ``log``."""
     train_step = simrun._train_step
 
-    def limited(sim, workload, loop, step, schedulers):
+    def limited(sim, workload_, loop, step, schedulers):
         if step >= stop:
             raise KeyboardInterrupt  # the first STOP steps of the study's schedule
-        return train_step(sim, workload, loop, step, schedulers)
+        return train_step(sim, workload_, loop, step, schedulers)
 
     simrun._train_step = limited
     try:
-        simrun.run(RunSpec(workload, "sgdm", "twobit", 0, STEPS[workload], STEPS[workload] // 50), log)
+        simrun.run(RunSpec(workload, optimizer, method, 0, STEPS[workload], STEPS[workload] // 50), log)
     except KeyboardInterrupt:
         pass
+    finally:
+        simrun._train_step = train_step
 
 
 if __name__ == "__main__":
