@@ -80,6 +80,8 @@ def _feedback_settings(engine) -> object:
     """Whether residuals are kept, with how a residual memory that states settings stores them (FSDP's
     :class:`~gradcomp.compact_residuals.CompactResiduals`: its dtype changes what a rank sends)."""
     kept = engine.error_feedback and engine.compressor.uses_error_feedback
+    decay = getattr(engine, "residual_decay", 1.0)
+    kept = (kept, decay) if kept and decay != 1.0 else kept  # plain error feedback hashes as before
     stated = getattr(engine.residual_memory, "settings", None)
     return (kept, stated()) if callable(stated) else kept
 

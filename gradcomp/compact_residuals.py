@@ -88,12 +88,15 @@ class CompactResiduals:
         self.peak_working_bytes = max(self.peak_working_bytes, 2 * residual.numel() * residual.element_size())
         return residual, spare
 
-    def commit(self, keys: Sequence[Hashable], accept: Union[bool, torch.Tensor] = True) -> None:
-        """Store ``e'`` of ``keys`` (those that keep a residual) if ``accept``; free the working pair either way.
+    def commit(self, keys: Sequence[Hashable], accept: Union[bool, torch.Tensor] = True, decay: float = 1.0) -> None:
+        """Store ``e'`` of ``keys`` (those that keep a residual), times ``decay``, if ``accept``; free the
+        working pair either way.
         ``accept`` is read now (a device tensor synchronises: the FSDP path decides on the host already)."""
         numels, _, spare = self._working.pop(tuple(keys))
         if not bool(accept):
             return
+        if decay != 1.0:
+            spare.mul_(decay)
         offset = 0
         for key, numel in zip(keys, numels):
             piece = spare[offset: offset + numel]

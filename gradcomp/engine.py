@@ -18,7 +18,7 @@ one flat gradient and the names of the parameters laid out in it::
     launch          the exchange's collective (allgather of fixed-size payloads, allreduce of summable ones, ...)
     validate        every received payload, before anything is written (gradcomp.validation)
     decode-average  sum of D(payload_r) for r = 0 .. P-1 in fp32, / P  (bitwise equal on every rank)
-    commit          e <- e' only if the average is finite (on every rank, since all decode the same bytes)
+    commit          e <- residual_decay * e' only if the average is finite (on every rank: all decode the same bytes)
 
 A dense step (warm-up, a group under ``min_numel``, a compressor whose payload is the
 gradient itself) adds the residuals still held for the group into the gradient ("flush", so
@@ -32,10 +32,9 @@ decode-average into ``flat_grad``, commit; never waits), ``end_step()``, ``stats
 dtype, device)`` (which exchange carries such a group). What adapters implement is
 :class:`gradcomp.transport.Transport`; what an exchange implements, :class:`gradcomp.exchanges.Exchange`.
 
-``start`` and ``finish`` do not block (on DDP ``finish`` runs inside the future's ``.then``; the
-finite check that decides the commit stays a device tensor). The blocking calls are the settings
-check (at set-up and DDP's bucket rebuild) and an exchange's own (the two-phase exchange's phase 1,
-inside ``start``).
+``start`` and ``finish`` do not block (on DDP ``finish`` runs inside the future's ``.then``; the finite
+check that decides the commit stays a device tensor). The blocking calls are the settings check (at
+set-up and DDP's bucket rebuild) and an exchange's own (the two-phase exchange's phase 1, in ``start``).
 
 Extension slots (filled by :mod:`gradcomp.schedule` and :mod:`gradcomp.optim`):
 
@@ -99,8 +98,7 @@ class Handle:
         self.compress_s: Optional[float] = None  # compression seconds, where the exchange measures them
 
     @property
-    def mode(self) -> str:
-        """The exchange's registered name, as ``stats()`` reports it."""
+    def mode(self) -> str:  # the exchange's registered name, as stats() reports it
         return self.exchange.name
 
 
@@ -114,6 +112,8 @@ class Engine:
             not with ``schedule``). Default :data:`gradcomp.settings.DEFAULT_WARMUP_STEPS`.
         min_numel: groups with fewer elements go dense.
         error_feedback: keep residuals (only compressors with ``uses_error_feedback`` need them).
+        residual_decay: in (0, 1]; ``e'`` is multiplied by it at commit (a rejected step changes nothing),
+            so what was held back ``k`` steps ago counts ``residual_decay ** k`` (1: plain error feedback).
         backend: kernel backend override (``"torch"``, ``"numba"``, ``"cuda"``; else
             ``$GRADCOMP_BACKEND``, else automatic).
         schedule, transform: the extension slots of the module docstring.
@@ -135,7 +135,7 @@ class Engine:
     def __init__(self, compressor: Compressor, transport: Optional[Transport] = None, *,
                  warmup_steps: Optional[int] = None, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True,
                  backend: Optional[str] = None, schedule=None, transform=None, exchange: str = exchanges.DEFAULT,
-                 policy=None, granularity: str = "parameter", grad_scaler=None):
+                 policy=None, granularity: str = "parameter", grad_scaler=None, residual_decay: float = 1.0):
         self.compressor = settings.check_compressor(compressor)
         self.grad_scaler = grad_scaler
         self._scale_at: Tuple[int, float] = (-1, 1.0)
@@ -150,10 +150,10 @@ class Engine:
         schedule, transform = settings.check_schedule(schedule, warmup_steps), settings.check_transform(transform)
         self.min_numel = settings.check_count("min_numel", min_numel)
         self.error_feedback = bool(error_feedback)
+        self.residual_decay = settings.check_decay(residual_decay)
         self.backend = settings.check_backend_name(backend)
         self.schedule, self.transform = schedule, transform
         scatters = bool(getattr(transport, "scatters", False))  # FSDP's reduce-scatter: each rank gets a chunk
-        #: The name of the exchange chosen for payloads that cannot be summed.
         self.exchange = exchanges.check_selectable(exchange, scatters)
         #: The exchanges tried for each group, in order (:func:`gradcomp.exchanges.chain`, fixed here by the
         #: transport); they hold their own state (the two-phase exchange's second-stage residuals).
@@ -342,7 +342,7 @@ class Engine:
             return  # nothing to commit: no finite check
         accept = exchange.accept(context, handle, average)
         if feedback:
-            self.residual_memory.commit(handle.keys, accept)
+            self.residual_memory.commit(handle.keys, accept, self.residual_decay)
             if exchange.state_key is not None:
                 exchange.commit(context, handle, accept)
         if self.transform is not None:

@@ -97,14 +97,17 @@ class ErrorFeedback:
             group.spare = torch.empty_like(group.current)
         return group.current, group.spare
 
-    def commit(self, keys: Sequence[Hashable], accept: Union[bool, torch.Tensor] = True) -> None:
-        """Make the spare buffer of ``keys`` the committed residual if ``accept``.
+    def commit(self, keys: Sequence[Hashable], accept: Union[bool, torch.Tensor] = True, decay: float = 1.0) -> None:
+        """Make the spare buffer of ``keys``, times ``decay``, the committed residual if ``accept``.
 
         ``accept`` may be a 0-d bool tensor still being computed on a device; it is read
-        at the next access of these keys, not now.
+        at the next access of these keys, not now. The spare is scaled whatever the decision
+        (it is scratch when the step is rejected), so no decision is waited for here.
         """
         group = self._groups[tuple(keys)]
         group.resolve()
+        if decay != 1.0:
+            group.spare.mul_(decay)
         group.pending = accept
 
     def _regroup(self, group_key, numels, device) -> _Group:

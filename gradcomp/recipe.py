@@ -10,20 +10,23 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   per-tensor RMS drain a large coordinate by ``t`` a step; with the chunk's own level 2-bit went from
   +27-32% above dense held-out loss to +0.2-0.9% on three of the four cells. A ``TwoBit`` of another
   threshold given to the recipe is replaced by it, with a notice.
-* **2-bit is the 3-bit code under SGD and Adam** (``ThreeBit()``): seven levels ``q * s`` with ``s`` the
-  largest magnitude of each 128 elements / 3, in the same byte budget (1/10 + 1/128 of dense against
-  1/16 + 1/64, paid for by a shorter dense start). Under SGD-momentum the ternary code lags dense by a
-  steady margin from its first compressed steps; measured at 600 steps in the in-process simulation of
-  2 ranks (a GPT, seeds 0-2, and charlm-small, seeds 0-4): the ternary code +13.6 to +16.1% and +11.6%
-  median (worst +25.1%), seven levels -0.4 to +0.8% and +1.7% median. Under AdamW, at the study's
-  length (``experiments/results/research-threebit-adamw/``), seven levels beat the ternary code on all
-  five workloads although the dense start shrinks to the budget's (22 of 2000 steps on charlm-small):
+* **2-bit is the 3-bit code under SGD and Adam** (``ThreeBit()``): seven levels ``q * s``, ``s`` the largest
+  magnitude of each 128 elements / 3, in the same byte budget (paid for by a shorter dense start). Under
+  SGD-momentum the ternary code lags dense from its first compressed steps (600 steps, a GPT, seeds
+  0-2, and charlm-small, seeds 0-4: +13.6 to +16.1% and +11.6% median; seven levels -0.4 to +0.8% and
+  +1.7%). Under AdamW at the study's length (``experiments/results/research-threebit-adamw/``) seven
+  levels beat the ternary code on all five workloads though the dense start shrinks to the budget's:
   charlm-small +0.8% median against +2.5% (seeds 0-2), the GPT -4.7% against -0.8%, proselm -8.5%
-  against +0.5%. Under Adam the finer code's dearer payload must still leave the frozen variance its
-  samples: where 3-bit's dense start is shorter than :data:`~gradcomp.optim.frozen_adam.MIN_STEADY_FREEZE`
-  steps and the ternary code's is longer, the ternary code runs (charlm-small under AdamW, 200 steps:
-  3-bit's 2 dense steps ended +18.2%, the ternary code's 8 -0.3%). Other optimizers keep the ternary
-  chunk code (not measured). :func:`code` gives the choice alone.
+  against +0.5%. Under Adam the dearer payload must still leave the frozen variance its samples: where
+  3-bit's dense start is shorter than :data:`~gradcomp.optim.frozen_adam.MIN_STEADY_FREEZE` steps and
+  the ternary code's longer, the ternary code runs (charlm-small, AdamW, 200 steps: 3-bit's 2 dense
+  steps ended +18.2%, the ternary code's 8 -0.3%). Other optimizers keep the ternary code (not
+  measured). :func:`code` gives the choice alone.
+* **a decaying residual under SGD** (3-bit): each committed residual is multiplied by
+  :data:`RESIDUAL_DECAY`, so an error held back ``k`` steps ago counts ``0.9**k`` (DeMo decays its
+  buffer alike): after a spike a plain residual hands stale large gradients back for many steps.
+  Measured, SGD-momentum, seed 0: charlm-small +49.3% above dense with plain error feedback, -2.1%
+  decayed; the GPT, proselm, digits-mlp and shapes unchanged (+0.2%, -0.0%, +0.0 and -0.1 points).
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
   of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
   the run (Adam's second moment is estimated there, then frozen; a loop that sets the rate by hand
@@ -31,11 +34,9 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   stores the large early gradients and releases them late, but the budget is the user's promise,
   so a warm-up too long for it is cut short, with a notice.
 * **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
-  affords down to the density asked, each stage as long as the byte budget allows
-  (``min_compression`` x fewer bytes than dense over the whole run, warm-up and the parameters sent
-  dense included), over at least :data:`RAMP_MIN_FRACTION` and at most
-  :data:`RAMP_FRACTION` of the steps after ``D``. A run too short for the budget keeps the ramp and
-  says that the budget is missed.
+  affords down to the density asked, each stage as long as the byte budget (``min_compression`` x fewer
+  bytes than dense over the whole run) allows, over :data:`RAMP_MIN_FRACTION` to :data:`RAMP_FRACTION`
+  of the steps after ``D``; a run too short for the budget keeps the ramp and says the budget is missed.
 * **top-k under SGD selects over the whole group** (``granularity="bucket"``): in gradient units the
   largest entries of the group are the largest first-order decrease, where a share per parameter spends
   the budget on tensors whose gradients are small. Measured at 1000 steps, SGD-momentum, seed 0: a GPT
@@ -46,9 +47,8 @@ from mechanisms that hold whatever the model, each measured on four workloads of
 * **optimizer stage**: Adam/AdamW gets :class:`~gradcomp.optim.FrozenVarianceAdam` (variance frozen
   at ``D``, compression in Adam's update units; a sparsifier exchanges each rank's first moment, a
   quantizer the gradient). SGD, with or without momentum, needs none: the compressed gradient
-  (error feedback, ``.grad`` the average gradient) goes into the user's own SGD, whose momentum then
-  runs after the exchange on every rank alike. Any other optimizer gets the same error feedback
-  and a notice that no stage covers it.
+  (error feedback, ``.grad`` the average gradient) goes into the user's own SGD, whose momentum runs
+  after the exchange on every rank alike. Other optimizers get error feedback and a notice.
 
 What the user's loop sees does not change: after ``backward()`` every ``.grad`` holds the average
 gradient in gradient units (for top-k under Adam, the average of the ranks' first moments, an
@@ -73,7 +73,8 @@ from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
 from gradcomp.schedule import DenseWarmup, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
-__all__ = ["Plan", "plan", "code", "DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION", "PlannedSchedule"]
+__all__ = ["Plan", "plan", "code", "DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION", "RESIDUAL_DECAY",
+           "PlannedSchedule"]
 
 #: The share of the run that starts dense when the LR warm-up is shorter or unknown, as long as the
 #: byte budget allows it (2-bit's code costs 7.8% of dense, which leaves about 4% of the run for an
@@ -89,6 +90,9 @@ MIN_COMPRESSION = {"topk": 8.0, "twobit": 8.0, "threebit": 8.0}
 #: First densities the ramp may start at, densest first (the densest the byte budget affords over the
 #: ramp's shortest length is taken); each next stage halves the density.
 RAMP_STARTS = (1 / 4, 1 / 8, 1 / 16)
+#: The residual decay of 3-bit under SGD: a memory of about 10 steps, as momentum 0.9's (0.5 forgot too
+#: fast on charlm-small; on top-k it hurt).
+RESIDUAL_DECAY = 0.9
 #: The recipe's 2-bit code.
 TWOBIT = "chunk"
 #: The compressors the recipe plans for, by the family name of :data:`MIN_COMPRESSION`.
@@ -111,6 +115,8 @@ class Plan:
     unsuited: Tuple[type, ...] = ()
     #: The engine's ``granularity`` the plan asks for (``None``: the engine's default).
     granularity: Optional[str] = None
+    #: The engine's ``residual_decay`` (1: plain error feedback).
+    residual_decay: float = 1.0
 
     @property
     def summary(self) -> str:
@@ -120,6 +126,7 @@ class Plan:
             stages = inner.stages(self.compressor)
             ramp = f", ramp {'/'.join(f'{d:.4g}' for d in stages)} x {inner.stage_steps} steps"
         whole = ", each group's top-k over the whole group" if self.granularity == "bucket" else ""
+        whole += f", residuals decayed {self.residual_decay:g} a step" if self.residual_decay != 1.0 else ""
         return (f"{self.compressor!r}{whole} with {self.optimizer_stage}: {self.dense_steps} dense steps of "
                 f"{self.total_steps}{ramp}; about {self.expected_compression:.1f}x fewer bytes than dense")
 
@@ -173,9 +180,8 @@ class PlannedSchedule:
 
 
 def lr_peak_step(scheduler, total_steps: int) -> int:
-    """The first step at which ``scheduler``'s learning rate (group 0) reaches its maximum over
-    ``total_steps``, found on a copy (the parameters are shared, not copied; nothing of
-    ``scheduler`` or its optimizer changes)."""
+    """The first step at which ``scheduler``'s learning rate (group 0) peaks over ``total_steps``, found
+    on a copy (the parameters shared, not copied; nothing of ``scheduler`` or its optimizer changes)."""
     optimizer = scheduler.optimizer
     memo = {id(p): p for group in optimizer.param_groups for p in group["params"]}
     memo.update({id(t): t for state in optimizer.state.values() for t in state.values()
@@ -319,7 +325,8 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     transform, stage_name = _optimizer_stage(optimizer, compressor, list(named_parameters), dense_steps, notes,
                                              step_hook)
     result = Plan(compressor, total_steps, dense_steps, PlannedSchedule(schedule, total_steps, announce), transform,
-                  stage_name, expected, tuple(notes), granularity=_granularity(optimizer, compressor))
+                  stage_name, expected, tuple(notes), granularity=_granularity(optimizer, compressor),
+                  residual_decay=_residual_decay(optimizer, compressor))
     notice(f"recipe: {result.summary}", announce)
     for note in notes:
         notice(f"recipe: {note}", announce)
@@ -368,6 +375,11 @@ def _granularity(optimizer, compressor) -> Optional[str]:
     if isinstance(compressor, TopK) and isinstance(optimizer, torch.optim.SGD):
         return "bucket"
     return None
+
+
+def _residual_decay(optimizer, compressor) -> float:
+    """:data:`RESIDUAL_DECAY` for 3-bit under SGD (module docstring), else 1."""
+    return RESIDUAL_DECAY if isinstance(compressor, ThreeBit) and isinstance(optimizer, torch.optim.SGD) else 1.0
 
 
 def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list, step_hook: bool = True):

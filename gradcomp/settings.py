@@ -21,7 +21,8 @@ from gradcomp.backends import BACKENDS, resolve_backend
 from gradcomp.compressors.base import FLOAT_DTYPES, Compressor
 
 __all__ = ["DEFAULT_WARMUP_STEPS", "DEFAULT_MIN_NUMEL", "check_compressor", "check_count", "check_backend",
-           "check_gradient_dtypes", "check_schedule", "check_transform", "loss_scale", "check_backend_name"]
+           "check_gradient_dtypes", "check_decay", "check_schedule", "check_transform", "loss_scale",
+           "check_backend_name"]
 
 #: What the engine calls on a ``transform`` (see :mod:`gradcomp.engine`).
 TRANSFORM_METHODS = ("before_compress", "after_compress", "dense", "commit", "state_dict", "load_state_dict")
@@ -47,6 +48,13 @@ def check_count(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return value
+
+
+def check_decay(value) -> float:
+    """``value`` as a float if it is a residual decay in (0, 1], else a ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"residual_decay must be a number in (0, 1] (1: plain error feedback), got {value!r}")
+    return float(value)
 
 
 def check_backend_name(backend: Optional[str]) -> Optional[str]:

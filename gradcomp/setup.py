@@ -191,6 +191,8 @@ def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter
         settings.update(schedule=recipe.schedule, transform=recipe.transform)
         if recipe.granularity is not None and settings.get("granularity") is None:
             settings["granularity"] = recipe.granularity
+        if recipe.residual_decay != 1.0 and settings.get("residual_decay") is None:
+            settings["residual_decay"] = recipe.residual_decay
         settings.pop("warmup_steps", None)
         _leave_out_unsuited(settings.get("policy"), recipe)
     elif optimizer is not None or scheduler is not None or min_compression is not None:

@@ -125,6 +125,8 @@ class CompressionState:
             its own top-k budget and 2-bit scale) or ``"bucket"`` (the bucket as one tensor).
         grad_scaler: the run's ``torch.amp.GradScaler``, if it uses one: residuals are then kept in
             true-gradient units and survive its scale changes.
+        residual_decay: each committed residual times it (default 1: plain error feedback; see
+            :class:`gradcomp.engine.Engine`).
     """
 
     __slots__ = ["engine", "process_group", "recipe", "_param_names", "_parameter_numels"]
@@ -144,6 +146,7 @@ class CompressionState:
         policy=None,
         granularity: str = "parameter",
         grad_scaler=None,
+        residual_decay: float = 1.0,
     ):
         self.process_group = process_group
         #: What the one-call recipe chose (:class:`gradcomp.recipe.Plan`), or ``None``.
@@ -151,7 +154,8 @@ class CompressionState:
         self.engine = Engine(compressor, TorchDistributedTransport(process_group), warmup_steps=warmup_steps,
                              min_numel=min_numel, error_feedback=error_feedback, backend=backend,
                              schedule=schedule, transform=transform, exchange=exchange,
-                             policy=policy, granularity=granularity, grad_scaler=grad_scaler)  # fmt: skip
+                             policy=policy, granularity=granularity, grad_scaler=grad_scaler,
+                             residual_decay=residual_decay)  # fmt: skip
         self._param_names: Optional[Dict[int, str]] = None
         self._parameter_numels: Optional[Dict[str, int]] = None
         if named_parameters is not None:

@@ -57,8 +57,10 @@ class Run:
         self.scheduler = self._scheduler()
         # the recipe's top-k under SGD selects over the whole group
         granularity = "bucket" if kind == "sgd" and spec.startswith("topk") else "parameter"
+        # and its 3-bit under SGD decays the residuals
+        decay = 0.9 if kind == "sgd" and spec.startswith("twobit") else 1.0
         self.state = gc_ddp.register(self.ddp, compressor, schedule=schedule, transform=transform,
-                                     min_numel=MIN_NUMEL, granularity=granularity)
+                                     min_numel=MIN_NUMEL, granularity=granularity, residual_decay=decay)
 
     def _scheduler(self):
         return torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (LR_WARMUP + 1)))
