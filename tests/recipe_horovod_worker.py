@@ -13,7 +13,7 @@ import torch
 import recipe_workers as workers
 from gradcomp.hooks import horovod as gc_hvd
 
-CASES = (("sgd", "topk:0.01"), ("adamw", "twobit:rms"))
+CASES = (("sgd", "topk:0.01"), ("adamw", "twobit:rms"), ("sgd", "twobit:rms"))
 
 
 def train(kind: str, spec: str, rank: int) -> dict:
@@ -33,7 +33,8 @@ def train(kind: str, spec: str, rank: int) -> dict:
         optimizer.step()
         scheduler.step()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "dense_steps": optimizer.recipe.dense_steps, "stats": optimizer.stats()["total"]}
+            "dense_steps": optimizer.recipe.dense_steps, "stats": optimizer.stats()["total"],
+            "residual_decay": optimizer.engine.residual_decay}
 
 
 def gradcomp_compressor(spec: str):

@@ -32,6 +32,7 @@ CASES = [
      ("topk:0.01", {**BASE, "transform": ("adamw", {"lr": 2e-3})}), "transform", "lr"),
     ("adamw_betas", ("topk:0.01", {**BASE, "transform": ("adamw", {"betas": (0.9, 0.999)})}),
      ("topk:0.01", {**BASE, "transform": ("adamw", {"betas": (0.8, 0.999)})}), "transform", "betas"),
+    ("residual_decay", ("topk:0.01", BASE), ("topk:0.01", {**BASE, "residual_decay": 0.9}), "error_feedback"),
     ("exchange", ("topk:0.01", BASE), ("topk:0.01", {**BASE, "exchange": "two_phase"}), "exchange"),
     ("agreeing", ("topk:0.01", BASE), ("topk:0.01", BASE), None),
 ]

@@ -151,3 +151,27 @@ def test_a_dense_step_applies_the_transform_to_the_gradient_before_adding_what_w
     engine.residual_memory.load_state_dict({"residuals": {"w": torch.tensor([1.0, 1.0, 1.0, 1.0])}})
     grad = torch.tensor([1.0, -4.0, 0.5, 2.0])
     assert torch.equal(run(engine, grad.clone()), grad * 2 + 1)
+
+
+def test_a_decayed_residual_is_the_kept_error_times_the_decay_and_a_rejected_step_leaves_it():
+    """``residual_decay`` scales ``e'`` at commit: what was held back ``k`` steps ago counts
+    ``decay ** k``, so a residual cannot hand back a stale spike for long; a step whose average is
+    not finite leaves the committed residual exactly as it was."""
+    engine = Engine(gradcomp.TopK(0.25), OneRank(), warmup_steps=0, min_numel=0, backend="torch",
+                    residual_decay=0.5)  # fmt: skip
+    grad = torch.tensor([1.0, -4.0, 0.5, 2.0])
+    assert torch.equal(run(engine, grad.clone()), torch.tensor([0.0, -4.0, 0.0, 0.0]))
+    assert torch.equal(engine.residual_memory.residual("w"), torch.tensor([0.5, 0.0, 0.25, 1.0]))
+    engine.end_step()
+    run(engine, torch.tensor([float("nan"), 0.0, 0.0, 0.0]))
+    assert torch.equal(engine.residual_memory.residual("w"), torch.tensor([0.5, 0.0, 0.25, 1.0]))
+    engine.end_step()
+    # acc = g + e = [1.5, -4, 0.75, 3]: -4 sent, the rest kept and halved
+    assert torch.equal(run(engine, grad.clone()), torch.tensor([0.0, -4.0, 0.0, 0.0]))
+    assert torch.equal(engine.residual_memory.residual("w"), torch.tensor([0.75, 0.0, 0.375, 1.5]))
+
+
+@pytest.mark.parametrize("decay", [0, 1.5, -0.1, True, "0.9", float("nan")])
+def test_a_residual_decay_outside_0_1_is_refused(decay):
+    with pytest.raises(ValueError, match="residual_decay"):
+        Engine(gradcomp.TopK(0.1), residual_decay=decay)

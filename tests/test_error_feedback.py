@@ -27,6 +27,18 @@ def test_commit_swaps_in_the_new_residual_and_rejection_keeps_the_old():
     assert torch.equal(ef.residual("a"), torch.ones(4))
 
 
+def test_a_decayed_commit_scales_the_new_residual_whatever_the_decision_is_read_as_later():
+    ef = ErrorFeedback()
+    _, spare = ef.buffers(["a"], [2], "cpu")
+    spare.copy_(torch.tensor([2.0, -4.0]))
+    ef.commit(["a"], accept=torch.tensor(True), decay=0.25)
+    assert torch.equal(ef.residual("a"), torch.tensor([0.5, -1.0]))
+    _, spare = ef.buffers(["a"], [2], "cpu")
+    spare.fill_(8.0)
+    ef.commit(["a"], accept=False, decay=0.25)
+    assert torch.equal(ef.residual("a"), torch.tensor([0.5, -1.0]))
+
+
 def test_residuals_follow_keys_when_groups_are_laid_out_differently():
     ef = ErrorFeedback()
     current, spare = ef.buffers(["w1", "b1", "w2"], [4, 2, 3], "cpu")

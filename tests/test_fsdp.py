@@ -96,6 +96,10 @@ def test_fsdp_residual_options_keep_what_they_say():
         spare.fill_(1.0)
         memory.commit(["w[0/2]", "b[0/2]"], torch.tensor(False))  # a non-finite step commits nothing
         assert torch.equal(memory.residual("w[0/2]"), (torch.arange(30.0) / 7).to(storage))
+        e, spare = memory.buffers(["w[0/2]", "b[0/2]"], [30, 5], "cpu")
+        spare.fill_(2.0)
+        memory.commit(["w[0/2]", "b[0/2]"], True, decay=0.75)  # the engine's residual_decay
+        assert torch.equal(memory.residual("w[0/2]"), torch.full((30,), 1.5).to(storage))
 
 
 @pytest.mark.slow

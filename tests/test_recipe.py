@@ -210,6 +210,32 @@ def test_top_k_under_sgd_selects_over_the_whole_group_and_an_explicit_choice_win
     assert "granularity" not in prepare("topk:0.01", named, optimizer=adamw, total_steps=1000).settings
 
 
+def test_3_bit_under_sgd_decays_its_residuals_and_nothing_else_does():
+    """The recipe's 3-bit under SGD (with or without momentum) multiplies each committed residual by
+    RESIDUAL_DECAY; under Adam, for top-k and for the ternary code error feedback stays plain. The
+    engine of every integration gets it through prepare; a user's own decay is kept."""
+    from gradcomp.recipe import RESIDUAL_DECAY
+    from gradcomp.setup import prepare
+
+    named = named_mlp()
+    params = [p for _, p in named]
+    for sgd in (torch.optim.SGD(params, lr=0.1, momentum=0.9), torch.optim.SGD(params, lr=0.1)):
+        with pytest.warns(RecipeNotice, match="residuals decayed 0.9 a step"):
+            chosen = plan("twobit:chunk", sgd, 1000, None, named)
+        assert chosen.compressor.spec == "threebit" and chosen.residual_decay == RESIDUAL_DECAY == 0.9
+        with pytest.warns(RecipeNotice):
+            assert prepare("twobit", named, optimizer=sgd, total_steps=1000).settings["residual_decay"] == 0.9
+            own = prepare("twobit", named, optimizer=sgd, total_steps=1000, residual_decay=0.5)
+        assert own.settings["residual_decay"] == 0.5
+        assert plan("topk:0.01", sgd, 1000, None, named).residual_decay == 1.0
+    adamw = torch.optim.AdamW(params, lr=1e-3)
+    with pytest.warns(RecipeNotice):
+        assert plan("twobit:chunk", adamw, 2000, None, named).residual_decay == 1.0
+        assert "residual_decay" not in prepare("twobit", named, optimizer=adamw, total_steps=2000).settings
+    with pytest.warns(RecipeNotice):
+        assert plan("twobit:chunk", torch.optim.RMSprop(params), 1000, None, named).residual_decay == 1.0
+
+
 def test_stages_take_the_names_of_the_wrapped_or_the_unwrapped_model():
     named = named_mlp()
     for prefix in ("module.", "_orig_mod.", "module._orig_mod."):
@@ -282,6 +308,7 @@ def test_ddp_and_horovod_give_the_same_result_for_the_same_settings(tmp_path):
         ddp = spawn(workers.train_worker, tmp_path / f"ddp-{kind}", kind, spec, "recipe")
         hv = horovod[0][f"{kind}-{spec}"]
         assert hv["dense_steps"] == ddp[0]["recipe"]["dense_steps"]
+        assert hv["residual_decay"] == (0.9 if (kind, spec) == ("sgd", "twobit:rms") else 1.0)  # 3-bit under SGD
         # The same payloads but for alignment padding (a bucket pads each parameter's part to 8 bytes).
         assert hv["stats"]["bytes_sent"] == pytest.approx(ddp[0]["stats"]["bytes_sent"], rel=0.01)
         for name, value in ddp[0]["params"].items():

@@ -226,7 +226,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          schedule=None, transform=None, exchange: str = DEFAULT_EXCHANGE, policy=None,
                          total_steps: Optional[int] = None, scheduler=None,
                          min_compression: Optional[float] = None, granularity: Optional[str] = None,
-                         grad_scaler=None):  # fmt: skip
+                         grad_scaler=None, residual_decay: Optional[float] = None):  # fmt: skip
     """``hvd.DistributedOptimizer`` that also takes ``TopK`` and ``TwoBit``.
 
     The first ten arguments are Horovod's, with Horovod's meaning; ``compression`` is a gradcomp
@@ -244,8 +244,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     recipe of :mod:`gradcomp.recipe` to the wrapped ``optimizer``, exactly as
     ``gradcomp.register`` does on DDP: the same set-up (:func:`gradcomp.setup.prepare`), the same
     rules and checks, the same parameter names (wrapper prefixes removed); ``.recipe`` on the
-    returned optimizer says what was chosen. ``granularity`` and ``grad_scaler`` are the engine's
-    (``granularity=None``: the recipe's choice, else the engine's default).
+    returned optimizer says what was chosen. ``granularity``, ``grad_scaler`` and ``residual_decay`` are
+    the engine's (``None``: the recipe's choice, else the engine's default).
 
     Example::
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -256,9 +256,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     groups = check_horovod_arguments(num_groups, groups, backward_passes_per_step, op, gradient_predivide_factor)
     engine_settings = dict(warmup_steps=warmup_steps, min_numel=min_numel, error_feedback=error_feedback,
                            backend=backend, schedule=schedule, transform=transform, exchange=exchange, policy=policy,
-                           granularity=granularity, grad_scaler=grad_scaler)
-    if granularity is None:
-        del engine_settings["granularity"]
+                           granularity=granularity, grad_scaler=grad_scaler, residual_decay=residual_decay)
+    for name in ("granularity", "residual_decay"):  # None: the recipe's choice (prepare), else the engine's default
+        if engine_settings[name] is None:
+            del engine_settings[name]
     if compressor is None or (op not in (Average, Sum) and compressor.summable):
         if total_steps is not None:
             raise ValueError(f"the recipe (total_steps=) is for gradcomp's compressors; {compression!r} needs none")
@@ -322,7 +323,7 @@ def _warn_unused(engine_settings: dict) -> None:
     """Warn about the engine's settings that differ from their defaults when Horovod's own optimizer runs."""
     defaults = dict(warmup_steps=None, min_numel=DEFAULT_MIN_NUMEL, error_feedback=True, backend=None,
                     schedule=None, transform=None, exchange=DEFAULT_EXCHANGE, policy=None, granularity=None,
-                    grad_scaler=None)
+                    grad_scaler=None, residual_decay=None)
     changed = sorted(k for k, v in engine_settings.items() if v is not defaults[k] and v != defaults[k])
     if changed:
         warnings.warn(f"gradcomp: {changed} have no effect when hvd.DistributedOptimizer does the exchange")
