@@ -33,8 +33,8 @@ def main(variant: str, stop: int, log: str, workload: str = "charlm-small") -> N
     run_prefix(stop, log, workload, "sgdm", "twobit")
 
 
-def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str) -> None:
-    """The study's run of ``workload``/``optimizer``/``method`` (seed 0, its length), its first ``stop``
+def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str, seed: int = 0) -> None:
+    """The study's run of ``workload``/``optimizer``/``method`` (``seed``, its length), its first ``stop``
     steps, logged to ``log``."""
     train_step = simrun._train_step
 
@@ -45,7 +45,7 @@ def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str) 
 
     simrun._train_step = limited
     try:
-        simrun.run(RunSpec(workload, optimizer, method, 0, STEPS[workload], STEPS[workload] // 50), log)
+        simrun.run(RunSpec(workload, optimizer, method, seed, STEPS[workload], STEPS[workload] // 50), log)
     except KeyboardInterrupt:
         pass
     finally:

@@ -1,0 +1,42 @@
+"""What compact indices would buy top-k at the same bytes: the study's top-k run (seed 0, its loop and
+length), with the recipe told that an entry costs 6 bytes (a float32 value and a 16-bit index inside
+a chunk of 65536) instead of 8, so the same byte budget keeps 4/3 as many entries: the final density
+1/75 in place of 1/100, and the ramp and dense start the recipe derives from that accounting. The
+payload itself stays the 8-byte one (the quality is what is screened, not the bytes).
+
+Usage, from the repository root:
+``PYTHONPATH=. python experiments/results/research-topk-compact/screens/screen_compact.py STEPS LOG
+[WORKLOAD [OPTIMIZER]]`` (SGD-momentum unless named).
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "research-threebit-adamw", "screens"))
+from screen_sgdm import run_prefix  # noqa: E402
+
+from experiments import methods  # noqa: E402
+from gradcomp import recipe  # noqa: E402
+from gradcomp.compressors import TopK  # noqa: E402
+
+ENTRY_BYTES = 6.0
+
+
+def main(stop: int, log: str, workload: str = "charlm-small", optimizer: str = "sgdm") -> None:
+    torch.set_num_threads(1)
+    plain = recipe.bytes_per_element
+
+    def compact(compressor, density, dense):
+        if isinstance(compressor, TopK):
+            d = density if density is not None else compressor.density
+            return dense + (1 - dense) * (ENTRY_BYTES / 4) * d
+        return plain(compressor, density, dense)
+
+    recipe.bytes_per_element = compact
+    methods.STUDY_DENSITY = methods.STUDY_DENSITY * 8 / ENTRY_BYTES
+    run_prefix(stop, log, workload, optimizer, "topk")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], *sys.argv[3:])
