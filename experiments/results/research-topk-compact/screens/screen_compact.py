@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "research-threebit-adamw", "screens"))
 from screen_sgdm import run_prefix  # noqa: E402
 
-from experiments import methods  # noqa: E402
+from experiments import simrun  # noqa: E402
 from gradcomp import recipe  # noqa: E402
 from gradcomp.compressors import TopK  # noqa: E402
 
@@ -34,7 +34,7 @@ def main(stop: int, log: str, workload: str = "charlm-small", optimizer: str = "
         return plain(compressor, density, dense)
 
     recipe.bytes_per_element = compact
-    methods.STUDY_DENSITY = methods.STUDY_DENSITY * 8 / ENTRY_BYTES
+    simrun.SPECS["topk"] = f"topk:{0.01 * 8 / ENTRY_BYTES:.6g}"  # the study's 1 % at 8 bytes an entry
     run_prefix(stop, log, workload, optimizer, "topk")
 
 
