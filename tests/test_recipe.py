@@ -305,7 +305,7 @@ def test_ddp_and_horovod_give_the_same_result_for_the_same_settings(tmp_path):
     multiprocess.horovodrun(Path(hvd_worker.__file__), [str(out)], 2)
     horovod = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for kind, spec in hvd_worker.CASES:
-        ddp = spawn(workers.train_worker, tmp_path / f"ddp-{kind}", kind, spec, "recipe")
+        ddp = spawn(workers.train_worker, tmp_path / f"ddp-{kind}-{spec.replace(':', '_')}", kind, spec, "recipe")
         hv = horovod[0][f"{kind}-{spec}"]
         assert hv["dense_steps"] == ddp[0]["recipe"]["dense_steps"]
         assert hv["residual_decay"] == (0.9 if (kind, spec) == ("sgd", "twobit:rms") else 1.0)  # 3-bit under SGD
