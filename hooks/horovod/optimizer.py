@@ -254,12 +254,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     """
     compressor = as_compressor(compression)
     groups = check_horovod_arguments(num_groups, groups, backward_passes_per_step, op, gradient_predivide_factor)
+    unset = {"granularity": granularity, "residual_decay": residual_decay}  # None: the recipe's (or engine's) choice
     engine_settings = dict(warmup_steps=warmup_steps, min_numel=min_numel, error_feedback=error_feedback,
                            backend=backend, schedule=schedule, transform=transform, exchange=exchange, policy=policy,
-                           granularity=granularity, grad_scaler=grad_scaler, residual_decay=residual_decay)
-    for name in ("granularity", "residual_decay"):  # None: the recipe's choice (prepare), else the engine's default
-        if engine_settings[name] is None:
-            del engine_settings[name]
+                           grad_scaler=grad_scaler, **{k: v for k, v in unset.items() if v is not None})
     if compressor is None or (op not in (Average, Sum) and compressor.summable):
         if total_steps is not None:
             raise ValueError(f"the recipe (total_steps=) is for gradcomp's compressors; {compression!r} needs none")

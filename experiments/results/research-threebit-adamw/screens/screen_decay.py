@@ -9,8 +9,8 @@ Usage, from the repository root:
 import sys
 
 import torch
-from screen_sgdm import run_prefix  # this directory, on sys.path when run as a script
 
+from experiments.screening import run_prefix
 from gradcomp import recipe
 
 

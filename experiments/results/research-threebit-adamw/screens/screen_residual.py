@@ -17,8 +17,8 @@ LOG [WORKLOAD [OPTIMIZER [METHOD]]]`` (STEPS: where to stop, of the study's run;
 import sys
 
 import torch
-from screen_sgdm import run_prefix  # this directory, on sys.path when run as a script
 
+from experiments.screening import run_prefix
 from gradcomp.engine import Engine
 
 

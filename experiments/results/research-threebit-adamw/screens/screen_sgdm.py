@@ -16,9 +16,7 @@ import sys
 import torch
 
 import gradcomp.setup as setup
-from experiments import simrun
-from experiments.convergence import RunSpec
-from experiments.suite import STEPS
+from experiments.screening import run_prefix
 
 
 def main(variant: str, stop: int, log: str, workload: str = "charlm-small") -> None:
@@ -31,25 +29,6 @@ def main(variant: str, stop: int, log: str, workload: str = "charlm-small") -> N
     else:
         raise SystemExit(f"unknown variant {variant!r}")
     run_prefix(stop, log, workload, "sgdm", "twobit")
-
-
-def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str, seed: int = 0) -> None:
-    """The study's run of ``workload``/``optimizer``/``method`` (``seed``, its length), its first ``stop``
-    steps, logged to ``log``."""
-    train_step = simrun._train_step
-
-    def limited(sim, workload_, loop, step, schedulers):
-        if step >= stop:
-            raise KeyboardInterrupt  # the first STOP steps of the study's schedule
-        return train_step(sim, workload_, loop, step, schedulers)
-
-    simrun._train_step = limited
-    try:
-        simrun.run(RunSpec(workload, optimizer, method, seed, STEPS[workload], STEPS[workload] // 50), log)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        simrun._train_step = train_step
 
 
 if __name__ == "__main__":

@@ -8,17 +8,14 @@ Usage, from the repository root:
 ``PYTHONPATH=. python experiments/results/research-topk-compact/screens/screen_compact.py STEPS LOG
 [WORKLOAD [OPTIMIZER]]`` (SGD-momentum unless named).
 """
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "research-threebit-adamw", "screens"))
-from screen_sgdm import run_prefix  # noqa: E402
-
-from experiments import simrun  # noqa: E402
-from gradcomp import recipe  # noqa: E402
-from gradcomp.compressors import TopK  # noqa: E402
+from experiments import simrun
+from experiments.screening import run_prefix
+from gradcomp import recipe
+from gradcomp.compressors import TopK
 
 ENTRY_BYTES = 6.0
 
