@@ -76,6 +76,17 @@ def test_a_held_alias_has_one_more_cxx_owner_until_the_collective_lets_go():
         assert alias._use_count() == own - 1  # the owner was dropped here, on the Python thread
 
 
+def test_the_owner_made_here_is_one_more_cxx_reference_to_the_tensor_itself():
+    # A view's _base is its root, so a view of a view would own the root, not the tensor.
+    root = torch.zeros(8)
+    for tensor in (root, root[2:6], root[::2]):
+        before = tensor._use_count()
+        owner = inflight._owner_of(tensor)
+        assert tensor._use_count() == before + 1
+        del owner
+        assert tensor._use_count() == before
+
+
 def test_a_tensor_whose_other_owner_lets_go_first_stays_held_until_the_collective_does():
     # DDP's reducer owns its bucket buffers; when the model is freed while Gloo still holds a
     # bucket, counting the bucket's own owners would take the reducer's release for the

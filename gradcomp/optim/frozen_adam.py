@@ -234,6 +234,8 @@ class FrozenVarianceAdam:
 
     def after_average(self, keys, numels, average: torch.Tensor, dense: bool) -> None:
         """Back to gradient units: the average times the frozen denominator (frozen parameters)."""
+        if self.suspended:  # nothing is frozen (see frozen); skip the walk over the group's parameters
+            return
         for _, param, group, piece in self._pieces(keys, numels, average):
             piece.mul_(self._denom(param, group).reshape(-1).to(piece.dtype))
 
