@@ -129,7 +129,7 @@ class CompressionState:
             :class:`gradcomp.engine.Engine`).
     """
 
-    __slots__ = ["engine", "process_group", "recipe", "_param_names", "_parameter_numels"]
+    __slots__ = ["engine", "process_group", "recipe", "_param_names", "_parameter_numels", "_layouts"]
 
     def __init__(
         self,
@@ -158,6 +158,7 @@ class CompressionState:
                              residual_decay=residual_decay)  # fmt: skip
         self._param_names: Optional[Dict[int, str]] = None
         self._parameter_numels: Optional[Dict[str, int]] = None
+        self._layouts: Dict[int, tuple] = {}  # bucket index -> (its buffer, keys, numels): see layout()
         if named_parameters is not None:
             self.attach(named_parameters)
 
@@ -171,6 +172,7 @@ class CompressionState:
             raise ValueError(f"residuals are held for {unknown[:5]}, which are no parameters of this model")
         self._param_names = {id(param): name for name, param in named}
         self._parameter_numels = {name: param.numel() for name, param in named}
+        self._layouts = {}
 
     @property
     def step(self) -> int:
@@ -193,6 +195,7 @@ class CompressionState:
         self.process_group = None
         self.recipe = None
         self._param_names = self._parameter_numels = None
+        self._layouts = {}
         self.engine = state["engine"]
         self.engine.transport = TorchDistributedTransport(None)
 
@@ -236,6 +239,22 @@ class CompressionState:
         return self.engine.stats()
 
     # -- helpers for the hook ------------------------------------------------------------
+    def layout(self, bucket: dist.GradBucket) -> Tuple[List, List[int]]:
+        """The names and element counts of the parameters laid out in ``bucket``'s buffer.
+
+        Asked of DDP once per bucket: listing a bucket's gradients and parameters makes a Python
+        object per tensor at every call (measured: about 0.1 ms a bucket inside the hook). A bucket
+        keeps its parameters as long as it keeps its buffer, and DDP's rebuild makes new buckets with
+        new buffers; the entry holds the buffer, so a new one is never the old one's object or address."""
+        buffer, index = bucket.buffer(), bucket.index()
+        held = self._layouts.get(index)
+        if held is None or held[0] is not buffer:
+            held = self._layouts[index] = (buffer, self._keys(bucket), [g.numel() for g in bucket.gradients()])
+        if bucket.is_last():  # fewer buckets after a rebuild: let go of the old ones' buffers
+            for stale in [i for i in self._layouts if i > index]:
+                del self._layouts[stale]
+        return held[1], held[2]
+
     def _keys(self, bucket: dist.GradBucket) -> List:
         params = bucket.parameters()
         if self._param_names is None:
@@ -277,8 +296,8 @@ def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torc
     """
     engine: Engine = state.engine
     try:
-        numels = [g.numel() for g in bucket.gradients()]
-        handle = engine.start(bucket.buffer(), state._keys(bucket), numels, bucket.index())
+        keys, numels = state.layout(bucket)
+        handle = engine.start(bucket.buffer(), keys, numels, bucket.index())
     finally:
         if bucket.is_last():
             engine.end_step()
