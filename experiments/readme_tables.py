@@ -16,6 +16,9 @@ fails (exit 1) when the README differs from what the results say (``tests/test_r
                   main job's cell on the Horovod path (``convergence --parallel horovod``,
                   ``experiments.horovod_step_times``)
 ================  =============================================================================
+
+and ``fsdp-convergence``, the convergence table of the runs under FSDP2 against FSDP's own dense
+(``experiments/results/fsdp-convergence/convergence.json``, ``experiments.convergence --parallel fsdp``).
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = {"convergence": "experiments/results/convergence/convergence.json",
            "time": "experiments/results/main/time_to_accuracy/time_to_accuracy.json",
            "study-time": "experiments/results/time_to_accuracy/time_to_accuracy.json",
-           "horovod-time": "experiments/results/horovod-tta/time_to_accuracy/time_to_accuracy.json"}
+           "horovod-time": "experiments/results/horovod-tta/time_to_accuracy/time_to_accuracy.json",
+           "fsdp-convergence": "experiments/results/fsdp-convergence/convergence.json"}
 LINK_ORDER = ("10mbit", "100mbit", "1gbit", "10gbit", "unshaped")
 _BLOCK = re.compile(r"(<!-- generated: (\w[\w-]*) -->\n)(.*?)(<!-- /generated -->)", re.S)
 
@@ -135,7 +139,8 @@ def study_time_table(rows: List[dict]) -> str:
 
 
 TABLES: Dict[str, Callable[[List[dict]], str]] = {"convergence": convergence_table, "time": time_table,
-                                                  "study-time": study_time_table, "horovod-time": time_table}
+                                                  "study-time": study_time_table, "horovod-time": time_table,
+                                                  "fsdp-convergence": convergence_table}
 
 
 def render(readme: str, root: str = ROOT) -> str:
