@@ -113,7 +113,8 @@ class Engine:
         min_numel: groups with fewer elements go dense.
         error_feedback: keep residuals (only compressors with ``uses_error_feedback`` need them).
         residual_decay: in (0, 1]; ``e'`` is multiplied by it at commit (a rejected step changes nothing),
-            so what was held back ``k`` steps ago counts ``residual_decay ** k`` (1: plain error feedback).
+            so what was held back ``k`` steps ago counts ``residual_decay ** k`` (1: plain error feedback);
+            for groups compressed with ``compressor``'s class (a policy's other choices: plain error feedback).
         backend: kernel backend override (``"torch"``, ``"numba"``, ``"cuda"``; else
             ``$GRADCOMP_BACKEND``, else automatic).
         schedule, transform: the extension slots of the module docstring.
@@ -168,8 +169,7 @@ class Engine:
         self.residual_memory = ErrorFeedback()
         self.telemetry = Telemetry()
         self._step_compressor: Tuple[int, Optional[Compressor]] = (-1, None)
-        self._compression_logged = False
-        self._flush_logged = False
+        self._compression_logged = self._flush_logged = False
         #: Steps of this process (0: the first it runs, also after a resume) at whose groups the
         #: ranks compare settings before exchanging: DDP's first step and the one after its bucket
         #: rebuild. Empty: the adapter calls check_agreement itself.
@@ -252,8 +252,7 @@ class Engine:
         exchange = self.exchange_for(compressor, grad.numel(), grad.dtype, grad.device)
         handle = Handle(group, keys, numels, grad, exchange, compressor)
         handle.scale, handle.started = scale, time.perf_counter()
-        context = self._context()
-        source = self._transformed(handle)
+        context, source = self._context(), self._transformed(handle)
         exchange.compress(context, handle, source, self._compensate(handle, source))
         if self.transform is not None and not exchange.sends_gradient:
             self.transform.after_compress(keys, handle.payload, handle.compressor, grad.numel())
@@ -342,7 +341,8 @@ class Engine:
             return  # nothing to commit: no finite check
         accept = exchange.accept(context, handle, average)
         if feedback:
-            self.residual_memory.commit(handle.keys, accept, self.residual_decay)
+            own = type(handle.compressor) is type(self.compressor)  # the decay was set for this compressor's kind
+            self.residual_memory.commit(handle.keys, accept, self.residual_decay if own else 1.0)
             if exchange.state_key is not None:
                 exchange.commit(context, handle, accept)
         if self.transform is not None:

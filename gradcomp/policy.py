@@ -61,7 +61,8 @@ logger = logging.getLogger(__name__)
 # The ternary chunk code (a level per 64 elements from the chunk itself; the recipe's 2-bit where it
 # does not run 3-bit, gradcomp.recipe.code): a fixed threshold fits gradients of one known magnitude
 # only and sends almost nothing elsewhere. A policy measures each candidate's cost per bucket; which
-# code converges best for the run is the recipe's question, not the policy's.
+# code converges best for the run is the recipe's question, not the policy's: under the recipe,
+# gradcomp.setup puts the recipe's own 2-bit code (3-bit where it chose it) in this one's place.
 DEFAULT_CANDIDATES = ("fp16", "twobit:chunk", "topk:0.01")
 _NS = 1e9
 _MISSING = -1  # a measurement that was no finite time >= 0, as shared with the other ranks

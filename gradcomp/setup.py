@@ -35,7 +35,7 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
-from gradcomp.compressors import Compressor, from_spec
+from gradcomp.compressors import Compressor, ThreeBit, TwoBit, from_spec
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_backend, check_compressor, check_gradient_dtypes
 
 __all__ = ["Setup", "prepare", "RecipeNotice", "unwrapped_names", "innermost_optimizer", "WRAPPER_PREFIXES"]
@@ -194,7 +194,7 @@ def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter
         if recipe.residual_decay != 1.0 and settings.get("residual_decay") is None:
             settings["residual_decay"] = recipe.residual_decay
         settings.pop("warmup_steps", None)
-        _leave_out_unsuited(settings.get("policy"), recipe)
+        _fit_candidates(settings.get("policy"), recipe)
     elif optimizer is not None or scheduler is not None or min_compression is not None:
         raise ValueError("optimizer=, scheduler= and min_compression= are the recipe's; pass total_steps=<optimizer "
                          "steps in the run> with them")
@@ -210,12 +210,17 @@ def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter
     return Setup(compressor, settings, recipe, named)
 
 
-def _leave_out_unsuited(policy, recipe) -> None:
-    """A policy must not pick a compressor the recipe's optimizer stage cannot converge with."""
-    if policy is None or not recipe.unsuited or not hasattr(policy, "candidates"):
+def _fit_candidates(policy, recipe) -> None:
+    """What a policy picks from, under the recipe: nothing the recipe's optimizer stage cannot converge
+    with, and where the recipe runs a 2-bit code, that code in place of the policy's own (its choice of
+    ``TwoBit("chunk")`` or ``ThreeBit()`` is the recipe's for the run, and the engine's residual decay
+    is set for it: a different code would run without the measured choice)."""
+    if policy is None or not hasattr(policy, "candidates"):
         return
-    kept = tuple(c for c in policy.candidates if not isinstance(c, recipe.unsuited))
-    policy.candidates = kept
+    codes, own = (TwoBit, ThreeBit), recipe.compressor
+    fitted = [own if isinstance(c, codes) and isinstance(own, codes) else c for c in policy.candidates
+              if not (recipe.unsuited and isinstance(c, recipe.unsuited))]
+    policy.candidates = tuple(c for i, c in enumerate(fitted) if all(c is not d for d in fitted[:i]))
 
 
 def _check_stage_names(transform, names: List[str]) -> None:

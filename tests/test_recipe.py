@@ -236,6 +236,27 @@ def test_3_bit_under_sgd_decays_its_residuals_and_nothing_else_does():
         assert plan("twobit:chunk", torch.optim.RMSprop(params), 1000, None, named).residual_decay == 1.0
 
 
+def test_a_policy_under_the_recipe_picks_the_recipes_own_2_bit_code():
+    """Auto's "twobit:chunk" becomes the code the recipe chose for the run (3-bit under SGD, whose
+    residual decay the engine holds for that class only); with a top-k recipe the candidates stay."""
+    from gradcomp.setup import prepare
+
+    named = named_mlp()
+    params = [p for _, p in named]
+    for optimizer, steps in ((torch.optim.SGD(params, lr=0.1, momentum=0.9), 1000),
+                             (torch.optim.AdamW(params, lr=1e-3), 200)):
+        with pytest.warns(RecipeNotice):
+            setup = prepare("twobit", named, optimizer=optimizer, total_steps=steps, policy=gradcomp.Auto())
+        specs = [c.spec for c in setup.settings["policy"].candidates]
+        assert setup.compressor in setup.settings["policy"].candidates and specs.count(setup.compressor.spec) == 1
+        assert len(specs) == 3 and "fp16" in specs and "topk:0.01" in specs, specs
+        assert setup.compressor.spec == ("threebit" if isinstance(optimizer, torch.optim.SGD) else "twobit:chunk")
+    with pytest.warns(RecipeNotice):
+        setup = prepare("topk:0.01", named, optimizer=torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                        total_steps=1000, policy=gradcomp.Auto())
+    assert [c.spec for c in setup.settings["policy"].candidates] == ["fp16", "twobit:chunk", "topk:0.01"]
+
+
 def test_stages_take_the_names_of_the_wrapped_or_the_unwrapped_model():
     named = named_mlp()
     for prefix in ("module.", "_orig_mod.", "module._orig_mod."):
