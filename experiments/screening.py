@@ -1,15 +1,18 @@
 """What the research screens share (``experiments/results/research-*/screens/``): a study run cut short.
 
 The screens change a piece of the recipe from outside (a constant, a patched function) and run the
-study's own simulation of 2 ranks; :func:`run_prefix` runs the first steps of one of its runs.
+study's own simulation of 2 ranks; :func:`run_prefix` runs the first steps of one of its runs, and
+:func:`topk_by_score` is a top-k compression whose selection a screen chooses.
 """
 from __future__ import annotations
+
+import torch
 
 from experiments import simrun
 from experiments.convergence import RunSpec
 from experiments.suite import STEPS
 
-__all__ = ["run_prefix"]
+__all__ = ["run_prefix", "topk_by_score"]
 
 
 def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str, seed: int = 0) -> None:
@@ -29,3 +32,18 @@ def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str, 
         pass
     finally:
         simrun._train_step = train_step
+
+
+def topk_by_score(compressor, tensor: torch.Tensor, residual, residual_out, score):
+    """A :class:`~gradcomp.compressors.TopK` payload of ``acc = tensor + residual`` (float32 ``[n]``) that
+    sends ``acc`` at the ``compressor.k(n)`` entries of largest ``score(acc)`` (float32 ``[n]``), in place of
+    the largest ``|acc|``; ``residual_out`` (mutated) receives ``acc`` with those entries zeroed."""
+    payload = compressor.layout(tensor.numel(), tensor.dtype).allocate(tensor.device)
+    acc = tensor.float() + (residual if residual is not None else 0)
+    chosen = torch.topk(score(acc), compressor.k(tensor.numel()), sorted=False).indices.sort().values
+    payload["values"].copy_(acc[chosen])
+    payload["indices"].copy_(chosen)
+    if residual_out is not None:
+        residual_out.copy_(acc)
+        residual_out[chosen] = 0
+    return payload

@@ -220,7 +220,7 @@ def _fit_candidates(policy, recipe) -> None:
     codes, own = (TwoBit, ThreeBit), recipe.compressor
     fitted = [own if isinstance(c, codes) and isinstance(own, codes) else c for c in policy.candidates
               if not (recipe.unsuited and isinstance(c, recipe.unsuited))]
-    policy.candidates = tuple(c for i, c in enumerate(fitted) if all(c is not d for d in fitted[:i]))
+    policy.candidates = tuple(dict.fromkeys(fitted))  # the recipe's code once (compressors hash by identity)
 
 
 def _check_stage_names(transform, names: List[str]) -> None:

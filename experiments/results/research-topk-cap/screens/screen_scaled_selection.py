@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from experiments.screening import run_prefix
+from experiments.screening import run_prefix, topk_by_score
 from gradcomp.compressors import TopK
 from gradcomp.engine import Engine
 
@@ -26,22 +26,16 @@ def main(alpha: float, stop: int, log: str, workload: str = "gpt", optimizer: st
         layouts[grad.numel()] = tuple(numels)
         return start(self, grad, keys, numels, group)
 
+    def scaled(acc):
+        numels = layouts.get(acc.numel())
+        if numels is None or not alpha:
+            return acc.abs()
+        scales = torch.cat([torch.full((n,), float(piece.norm()) / n ** 0.5 + 1e-30)
+                            for n, piece in zip(numels, acc.split(list(numels)))])
+        return acc.abs() / scales ** alpha
+
     def compress(self, tensor, residual=None, residual_out=None, backend=None):
-        payload = self.layout(tensor.numel(), tensor.dtype).allocate(tensor.device)
-        acc = tensor.float() + (residual if residual is not None else 0)
-        score = acc.abs()
-        numels = layouts.get(tensor.numel())
-        if numels is not None and alpha:
-            scales = torch.cat([torch.full((n,), float(piece.norm()) / n ** 0.5 + 1e-30)
-                                for n, piece in zip(numels, acc.split(list(numels)))])
-            score = score / scales ** alpha
-        chosen = torch.topk(score, self.k(tensor.numel()), sorted=False).indices.sort().values
-        payload["values"].copy_(acc[chosen])
-        payload["indices"].copy_(chosen)
-        if residual_out is not None:
-            residual_out.copy_(acc)
-            residual_out[chosen] = 0
-        return payload
+        return topk_by_score(self, tensor, residual, residual_out, scaled)
 
     Engine.start, TopK.compress = noting, compress
     run_prefix(stop, log, workload, optimizer, "topk")

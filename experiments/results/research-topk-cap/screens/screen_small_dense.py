@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from experiments.screening import run_prefix
+from experiments.screening import run_prefix, topk_by_score
 from gradcomp.compressors import TopK
 from gradcomp.engine import Engine
 
@@ -33,20 +33,12 @@ def main(stop: int, log: str, workload: str = "charlm-small", optimizer: str = "
         small = int(masks[numel].sum()) if numel in masks else 0
         return min(numel, k(self, numel - small) + small) if small else k(self, numel)
 
+    def always_small(acc):
+        mask = masks.get(acc.numel())
+        return acc.abs() if mask is None else torch.where(mask, torch.full_like(acc, float("inf")), acc.abs())
+
     def compress(self, tensor, residual=None, residual_out=None, backend=None):
-        payload = self.layout(tensor.numel(), tensor.dtype).allocate(tensor.device)
-        acc = tensor.float() + (residual if residual is not None else 0)
-        score = acc.abs()
-        mask = masks.get(tensor.numel())
-        if mask is not None:
-            score = torch.where(mask, torch.full_like(score, float("inf")), score)
-        chosen = torch.topk(score, self.k(tensor.numel()), sorted=False).indices.sort().values
-        payload["values"].copy_(acc[chosen])
-        payload["indices"].copy_(chosen)
-        if residual_out is not None:
-            residual_out.copy_(acc)
-            residual_out[chosen] = 0
-        return payload
+        return topk_by_score(self, tensor, residual, residual_out, always_small)
 
     Engine.start, TopK.k, TopK.compress = noting, k_with_small, compress
     run_prefix(stop, log, workload, optimizer, "topk")
