@@ -46,9 +46,11 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   chunk themselves, so both keep the engine's default (each parameter on its own).
 * **optimizer stage**: Adam/AdamW gets :class:`~gradcomp.optim.FrozenVarianceAdam` (variance frozen
   at ``D``, compression in Adam's update units; a sparsifier exchanges each rank's first moment, a
-  quantizer the gradient). SGD, with or without momentum, needs none: the compressed gradient
-  (error feedback, ``.grad`` the average gradient) goes into the user's own SGD, whose momentum runs
-  after the exchange on every rank alike. Other optimizers get error feedback and a notice.
+  quantizer the gradient). Under SGD the compressed gradient (error feedback, ``.grad`` the average
+  gradient) goes into the user's own SGD, whose momentum runs after the exchange on every rank alike;
+  with a sparsifier and momentum, :class:`~gradcomp.optim.DelayedMomentumSGD` shortens that momentum
+  on compressed steps by the delay error feedback adds (top-k's gap on the two transformers came from
+  it; not under FSDP, whose shards it has not been run on). Other optimizers get error feedback and a notice.
 
 What the user's loop sees does not change: after ``backward()`` every ``.grad`` holds the average
 gradient in gradient units (for top-k under Adam, the average of the ranks' first moments, an
@@ -59,18 +61,16 @@ once and keeps the final setting, and one that ends before half of it says so at
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import math
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
 from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
-from gradcomp.schedule import DenseWarmup, SparsityRamp
+from gradcomp.schedule import DenseWarmup, PlannedSchedule, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
 __all__ = ["Plan", "plan", "code", "DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION", "RESIDUAL_DECAY",
@@ -129,54 +129,6 @@ class Plan:
         whole += f", residuals decayed {self.residual_decay:g} a step" if self.residual_decay != 1.0 else ""
         return (f"{self.compressor!r}{whole} with {self.optimizer_stage}: {self.dense_steps} dense steps of "
                 f"{self.total_steps}{ramp}; about {self.expected_compression:.1f}x fewer bytes than dense")
-
-
-class PlannedSchedule:
-    """The recipe's schedule (``inner``), which also notices a run that outgrows its plan.
-
-    Delegates ``compressor_at``, ``settings``, ``state_dict`` and ``load_state_dict`` to ``inner``
-    (checkpoints and the cross-rank check see ``inner`` alone). Past ``total_steps`` it keeps the
-    final setting and says so once; at interpreter exit a run that stopped before half of
-    ``total_steps`` says so too (its dense start and ramp were sized for the whole run).
-    """
-
-    def __init__(self, inner, total_steps: int, announce: bool = True):
-        self.inner, self.total_steps, self.announce = inner, total_steps, announce
-        self.dense_steps = getattr(inner, "dense_steps", None)
-        self.furthest = -1
-        self._said_longer = False
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref()._say_if_short())
-
-    def compressor_at(self, step: int, base: Compressor) -> Optional[Compressor]:
-        self.furthest = max(self.furthest, step)
-        if step >= self.total_steps and not self._said_longer:
-            self._said_longer = True
-            from gradcomp.setup import notice
-
-            notice(f"the run reached step {step}, past the total_steps={self.total_steps} its recipe was planned "
-                   "for (register(..., total_steps=) counts optimizer steps); it keeps the final setting",
-                   self.announce)
-        return self.inner.compressor_at(step, base)
-
-    def _say_if_short(self) -> None:
-        if 0 <= self.furthest < self.total_steps // 2 - 1:
-            from gradcomp.setup import notice
-
-            notice(f"the run ended after {self.furthest + 1} of the {self.total_steps} steps its recipe was planned "
-                   "for; its dense start and ramp were sized for the whole run", self.announce)
-
-    def settings(self):
-        return self.inner.settings()
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.inner.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return repr(self.inner)
 
 
 def lr_peak_step(scheduler, total_steps: int) -> int:
@@ -287,7 +239,8 @@ def _dense_start(compressor, total_steps: int, scheduler, budget: float, dense: 
 
 def plan(compressor, optimizer=None, total_steps: Optional[int] = None, scheduler=None,
          named_parameters: Sequence[Tuple[str, torch.nn.Parameter]] = (), min_numel: int = DEFAULT_MIN_NUMEL,
-         min_compression: Optional[float] = None, step_hook: bool = True, announce: bool = True) -> Plan:
+         min_compression: Optional[float] = None, step_hook: bool = True, announce: bool = True,
+         sharded: bool = False) -> Plan:
     """Derive the schedule and the optimizer stage of ``compressor`` for this run (module docstring).
 
     Args:
@@ -300,8 +253,9 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
         min_numel: parameters under it travel dense (their share counts against the budget).
         min_compression: the byte budget, dense bytes / bytes sent over the run (default
             :data:`MIN_COMPRESSION` of the compressor's family).
-        step_hook: how an Adam stage reaches the optimizer's step (a pre-hook, or the integration calls it).
+        step_hook: how a stage reaches the optimizer's step (a pre-hook, or the integration calls it).
         announce: whether this process shows the recipe's notices (one rank speaks for all).
+        sharded: FSDP's parameters (the SGD stage is left out).
     """
     from gradcomp.setup import notice
 
@@ -323,7 +277,7 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
         notes.append(f"the dense start ({dense_steps} steps) and the ramp of this {total_steps}-step run leave "
                      f"{expected:.1f}x fewer bytes, under the {budget:.0f}x asked")
     transform, stage_name = _optimizer_stage(optimizer, compressor, list(named_parameters), dense_steps, notes,
-                                             step_hook)
+                                             step_hook, sharded)
     result = Plan(compressor, total_steps, dense_steps, PlannedSchedule(schedule, total_steps, announce), transform,
                   stage_name, expected, tuple(notes), granularity=_granularity(optimizer, compressor),
                   residual_decay=_residual_decay(optimizer, compressor))
@@ -382,9 +336,10 @@ def _residual_decay(optimizer, compressor) -> float:
     return RESIDUAL_DECAY if isinstance(compressor, ThreeBit) and isinstance(optimizer, torch.optim.SGD) else 1.0
 
 
-def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list, step_hook: bool = True):
-    """``(transform, description)`` for ``optimizer``."""
-    from gradcomp.optim import FrozenVarianceAdam
+def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list, step_hook: bool = True,
+                     sharded: bool = False):
+    """``(transform, description)`` for ``optimizer`` (``sharded``: FSDP's, no SGD stage)."""
+    from gradcomp.optim import DelayedMomentumSGD, FrozenVarianceAdam
 
     if isinstance(optimizer, torch.optim.Adam):
         exchange = "momentum" if compressor.sparsifies else "gradient"
@@ -393,6 +348,10 @@ def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list
                        f"{'first moment' if exchange == 'momentum' else 'gradient'} sent in update units)")
     if isinstance(optimizer, torch.optim.SGD):
         momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        if momentum and compressor.sparsifies and not sharded:
+            stage = DelayedMomentumSGD(optimizer, named, step_hook=step_hook)
+            return stage, (f"error feedback into SGD (its momentum after the exchange, shortened by "
+                           f"{stage.delay_steps:g} steps' delay on compressed steps)")
         return None, f"error feedback into SGD{' (its momentum after the exchange)' if momentum else ''}"
     if optimizer is not None:
         notes.append(f"{type(optimizer).__name__} has no optimizer-aware stage: plain error feedback with "

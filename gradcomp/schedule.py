@@ -33,6 +33,8 @@ Defaults, from measurements (charlm-small, 2 ranks, seed 0: a single-process sim
   of 2000 keep the run at 1/9 of dense bytes (the goal is 1/8); 40 dense steps already fixed
   most of the early-residual damage at 200 steps (3.06 -> 2.60 held-out loss).
 
+:class:`PlannedSchedule` wraps the one-call recipe's schedule and says when a run outgrows its plan.
+
 Example::
 
     >>> schedule = SparsityRamp(dense_steps=2, stage_steps=100)
@@ -41,13 +43,15 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import copy
+import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
 from gradcomp.compressors.base import Compressor
 from gradcomp.compressors.topk import TopK
 
-__all__ = ["DenseWarmup", "SparsityRamp", "recommended", "DGC_DENSITIES"]
+__all__ = ["DenseWarmup", "SparsityRamp", "PlannedSchedule", "recommended", "DGC_DENSITIES"]
 
 #: DGC's ramp (Lin et al., 2018): sparsity 75%, 93.75%, 98.4375%, 99.6%: density divided by 4.
 DGC_DENSITIES: Tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625)
@@ -202,3 +206,51 @@ def recommended(compressor: Compressor) -> DenseWarmup:
     if type(compressor).__name__ == "TwoBit":
         return DenseWarmup(TWOBIT_DENSE_STEPS)
     return DenseWarmup(TOPK_DENSE_STEPS)
+
+
+class PlannedSchedule:
+    """The recipe's schedule (``inner``), which also notices a run that outgrows its plan.
+
+    Delegates ``compressor_at``, ``settings``, ``state_dict`` and ``load_state_dict`` to ``inner``
+    (checkpoints and the cross-rank check see ``inner`` alone). Past ``total_steps`` it keeps the
+    final setting and says so once; at interpreter exit a run that stopped before half of
+    ``total_steps`` says so too (its dense start and ramp were sized for the whole run).
+    """
+
+    def __init__(self, inner, total_steps: int, announce: bool = True):
+        self.inner, self.total_steps, self.announce = inner, total_steps, announce
+        self.dense_steps = getattr(inner, "dense_steps", None)
+        self.furthest = -1
+        self._said_longer = False
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref()._say_if_short())
+
+    def compressor_at(self, step: int, base: Compressor) -> Optional[Compressor]:
+        self.furthest = max(self.furthest, step)
+        if step >= self.total_steps and not self._said_longer:
+            self._said_longer = True
+            from gradcomp.setup import notice
+
+            notice(f"the run reached step {step}, past the total_steps={self.total_steps} its recipe was planned "
+                   "for (register(..., total_steps=) counts optimizer steps); it keeps the final setting",
+                   self.announce)
+        return self.inner.compressor_at(step, base)
+
+    def _say_if_short(self) -> None:
+        if 0 <= self.furthest < self.total_steps // 2 - 1:
+            from gradcomp.setup import notice
+
+            notice(f"the run ended after {self.furthest + 1} of the {self.total_steps} steps its recipe was planned "
+                   "for; its dense start and ramp were sized for the whole run", self.announce)
+
+    def settings(self):
+        return self.inner.settings()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return repr(self.inner)

@@ -152,7 +152,7 @@ def _outside_gradcomp() -> dict:
 
 def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], *, optimizer=None,
             total_steps: Optional[int] = None, scheduler=None, min_compression: Optional[float] = None,
-            stage_hook: bool = True, announce: bool = True, **settings) -> Setup:
+            stage_hook: bool = True, announce: bool = True, sharded: bool = False, **settings) -> Setup:
     """Apply the rules of the module docstring; returns the :class:`Setup` to build the engine from.
 
     Args:
@@ -164,6 +164,7 @@ def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter
         stage_hook: how an optimizer stage reaches the optimizer's step (a step pre-hook; an
             integration whose ``step()`` averages first passes ``False`` and calls the stage itself).
         announce: whether this process shows the notices (one rank of the group).
+        sharded: the integration shards parameters (FSDP): the recipe leaves out the stages it has not run on.
         settings: the engine's other keyword arguments (:class:`gradcomp.engine.Engine`).
     Raises:
         ValueError, TypeError: for settings that cannot work, before any step.
@@ -186,7 +187,7 @@ def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter
 
         recipe = plan(compressor, optimizer, total_steps, scheduler, named,
                       min_numel=settings.get("min_numel", DEFAULT_MIN_NUMEL), min_compression=min_compression,
-                      step_hook=stage_hook, announce=announce)
+                      step_hook=stage_hook, announce=announce, sharded=sharded)
         compressor = recipe.compressor
         settings.update(schedule=recipe.schedule, transform=recipe.transform)
         if recipe.granularity is not None and settings.get("granularity") is None:

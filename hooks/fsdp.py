@@ -302,7 +302,7 @@ def register(model: torch.nn.Module, compressor, *, optimizer=None, total_steps:
     if residual_share < 1.0:
         min_numel = max(min_numel, _share_min_numel(layouts, world_size, residual_share))
     kwargs = dict(optimizer=optimizer, total_steps=total_steps, scheduler=scheduler, min_compression=min_compression,
-                  min_numel=min_numel, **engine_kwargs)
+                  min_numel=min_numel, sharded=True, **engine_kwargs)
     _refuse_unsharded_stage(compressor, model, kwargs)
     transport = FSDPTransport(mesh.get_group())
     setup = prepare(compressor, model.named_parameters(), announce=transport.rank == 0, **kwargs)

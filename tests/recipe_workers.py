@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.hooks import ddp as gc_ddp
-from gradcomp.optim import FrozenVarianceAdam
+from gradcomp.optim import DelayedMomentumSGD, FrozenVarianceAdam
 from gradcomp.schedule import DenseWarmup, SparsityRamp
 from optim_workers import batch, make_model  # noqa: F401  the model and data of the optimizer-stage tests
 
@@ -54,6 +54,8 @@ class Run:
         if kind == "adamw":
             exchange = "momentum" if compressor.sparsifies else "gradient"
             transform = FrozenVarianceAdam(self.optimizer, named, freeze_step=dense_steps, exchange=exchange)
+        elif compressor.sparsifies:  # top-k under SGD-momentum: the momentum shortened on compressed steps
+            transform = DelayedMomentumSGD(self.optimizer, named)
         self.scheduler = self._scheduler()
         # the recipe's top-k under SGD selects over the whole group
         granularity = "bucket" if kind == "sgd" and spec.startswith("topk") else "parameter"

@@ -8,7 +8,7 @@ import torch
 import gradcomp
 import multiprocess
 import recipe_workers as workers
-from gradcomp.optim import FrozenVarianceAdam
+from gradcomp.optim import DelayedMomentumSGD, FrozenVarianceAdam
 from gradcomp.recipe import lr_peak_step, plan
 from gradcomp.schedule import DenseWarmup, SparsityRamp
 from gradcomp.setup import RecipeNotice
@@ -143,7 +143,11 @@ def test_optimizer_stages_by_optimizer():
     params = [p for _, p in named]
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4, nesterov=True)
     chosen = plan("topk:0.01", sgd, 1000, None, named)
-    assert chosen.transform is None and sgd.param_groups[0]["momentum"] == 0.9  # SGD is left as it is
+    # top-k under SGD-momentum: the stage shortens the momentum on compressed steps; the groups stay the user's
+    assert isinstance(chosen.transform, DelayedMomentumSGD) and sgd.param_groups[0]["momentum"] == 0.9
+    assert "shortened by 5 steps' delay" in chosen.summary
+    assert plan("topk:0.01", sgd, 1000, None, named, sharded=True).transform is None  # FSDP: not run there yet
+    assert plan("topk:0.01", torch.optim.SGD(params, lr=0.1), 1000, None, named).transform is None  # no momentum
     with pytest.warns(RecipeNotice, match="under SGD 2-bit runs as ThreeBit"):
         seven = plan("twobit:chunk", sgd, 1000, None, named, min_numel=0)
     assert seven.compressor.spec == "threebit" and seven.transform is None

@@ -4,9 +4,11 @@
   then the variance is frozen and ranks compress in Adam's update units (the gradient, or each
   rank's first moment for sparsifiers); ``.grad`` keeps the average in gradient units and the
   frozen-variance update runs in the optimizer's step.
+* :class:`DelayedMomentumSGD`: for the user's own ``torch.optim.SGD`` with momentum under a
+  sparsifier. ``.grad`` keeps the average gradient; while a parameter's group is compressed its step
+  runs with a momentum shortened by the delay error feedback adds, at the same step size.
 
-SGD needs no stage: the compressed gradient goes into its own momentum. The one-call recipe
-(:mod:`gradcomp.recipe`, ``gradcomp.register(model, compressor, optimizer=, total_steps=)``) picks
+The one-call recipe (:mod:`gradcomp.recipe`, ``gradcomp.register(model, compressor, optimizer=, total_steps=)``) picks
 the stage and derives its settings from the run; the measured figures are in the README.
 Assembling it by hand::
 
@@ -14,6 +16,7 @@ Assembling it by hand::
     stage = FrozenVarianceAdam(optimizer, model.named_parameters(), freeze_step=100, exchange="gradient")
     gradcomp.hooks.ddp.register(ddp_model, "twobit:chunk", schedule=DenseWarmup(100), transform=stage)
 """
+from gradcomp.optim.delayed_momentum import DelayedMomentumSGD
 from gradcomp.optim.frozen_adam import FrozenVarianceAdam
 
-__all__ = ["FrozenVarianceAdam"]
+__all__ = ["DelayedMomentumSGD", "FrozenVarianceAdam"]

@@ -1,0 +1,144 @@
+"""DelayedMomentumSGD: SGD-momentum's stage under a sparsifier (gradcomp.optim.delayed_momentum).
+
+In-process: the stage's update is checked against torch's own SGD run with the shortened momentum on the
+rescaled buffer; the recipe's choice of it, and its run on real Gloo ranks, are in test_recipe.py."""
+import copy
+
+import pytest
+import torch
+
+from gradcomp.compressors import ThreeBit, TopK
+from gradcomp.optim import DelayedMomentumSGD
+from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum
+
+
+def test_the_shortened_momentum_gives_up_the_delay_in_steps_and_never_goes_below_zero():
+    assert compressed_momentum(0.9) == pytest.approx(0.8)  # 9 steps' mean delay less 5: 4 = 0.8 / 0.2
+    assert compressed_momentum(0.95) == pytest.approx(14 / 15)
+    assert compressed_momentum(0.5) == 0.0 and compressed_momentum(0.0) == 0.0
+    assert compressed_momentum(0.9, delay_steps=0) == pytest.approx(0.9)
+    betas = [0.5, 0.8, 0.9, 0.95, 0.99]
+    shortened = [compressed_momentum(b) for b in betas]
+    assert shortened == sorted(shortened) and all(s < b for s, b in zip(shortened, betas))
+    assert DELAY_STEPS == 5.0
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _grads(model, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+SETTINGS = [dict(momentum=0.9), dict(momentum=0.9, weight_decay=1e-2), dict(momentum=0.9, nesterov=True),
+            dict(momentum=0.9, dampening=0.3), dict(momentum=0.95, maximize=True, weight_decay=1e-3)]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["plain", "wd", "nesterov", "dampening", "maximize"])
+def test_a_compressed_step_is_torchs_sgd_with_the_short_momentum_on_the_rescaled_buffer(settings):
+    """Dense steps are the optimizer's own (bitwise); a compressed step equals torch's SGD with momentum
+    beta' and lr k * lr on the buffer divided by k (k = (1 - beta') / (1 - beta)), the buffer kept in the
+    optimizer's units; .grad, lr and momentum are as the loop left them."""
+    model, plain = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, **settings)
+    reference = torch.optim.SGD(plain.parameters(), lr=0.05, **settings)
+    stage = DelayedMomentumSGD(optimizer, model.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    for step in range(3):  # dense: the stage was never told of a compressed group
+        _grads(model, step), _grads(plain, step)
+        stage.dense(names, None, None)
+        optimizer.step(), reference.step()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    beta = settings["momentum"]
+    fast = compressed_momentum(beta)
+    k = (1 - fast) / (1 - beta)
+    short = copy.deepcopy(plain)
+    short_opt = torch.optim.SGD(short.parameters(), lr=0.05 * k, **{**settings, "momentum": fast})
+    for p, q in zip(plain.parameters(), short.parameters()):
+        short_opt.state[q]["momentum_buffer"] = reference.state[p]["momentum_buffer"] / k
+    for step in range(3, 6):
+        _grads(model, step), _grads(short, step)
+        seen = [p.grad for p in model.parameters()]
+        kept = [g.clone() for g in seen]
+        stage.after_compress(names, None, TopK(0.1), 0)
+        optimizer.step(), short_opt.step()
+        assert all(p.grad is g and torch.equal(g, c) for p, g, c in zip(model.parameters(), seen, kept))
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 0.05 and group["momentum"] == beta
+    for p, q in zip(model.parameters(), short.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(optimizer.state[p]["momentum_buffer"], k * short_opt.state[q]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_only_parameters_whose_group_was_compressed_take_the_short_step():
+    """A group that went dense this step (a policy's choice, a group under min_numel) or went by a quantizer
+    keeps SGD's own step;
+    what was recorded is cleared by the step, so the next step starts from nothing."""
+    model, plain = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    reference = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    stage = DelayedMomentumSGD(optimizer, model.named_parameters())
+    for step in range(2):
+        _grads(model, step), _grads(plain, step)
+        optimizer.step(), reference.step()
+    _grads(model, 2), _grads(plain, 2)
+    stage.after_compress(["0.weight", "0.bias"], None, TopK(0.1), 0)
+    stage.after_compress(["2.weight"], None, ThreeBit(), 0)  # a quantizer: no delay to give up
+    stage.dense(["2.bias"], None, None)
+    optimizer.step(), reference.step()
+    named, other = dict(model.named_parameters()), dict(plain.named_parameters())
+    assert torch.equal(named["2.weight"], other["2.weight"]) and torch.equal(named["2.bias"], other["2.bias"])
+    assert not torch.equal(named["0.weight"], other["0.weight"])
+    _grads(model, 3), _grads(plain, 3)
+    before = {n: p.clone() for n, p in named.items()}
+    optimizer.step()
+    buf = optimizer.state[named["0.weight"]]["momentum_buffer"]
+    torch.testing.assert_close(named["0.weight"], before["0.weight"] - 0.05 * buf)  # SGD's own step: nothing recorded
+
+
+def test_its_checkpoint_state_is_its_setting_and_another_is_refused_before_anything_changes():
+    model = _model()
+    stage = DelayedMomentumSGD(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters())
+    state = stage.state_dict()
+    assert state == {"delay_steps": DELAY_STEPS}
+    stage.load_state_dict(state)
+    with pytest.raises(ValueError, match="delay_steps"):
+        stage.prepare_load({"delay_steps": 2.0})
+    with pytest.raises(TypeError, match="torch.optim.SGD"):
+        DelayedMomentumSGD(torch.optim.Adam(model.parameters()), model.named_parameters())
+    with pytest.raises(ValueError, match="delay_steps"):
+        DelayedMomentumSGD(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
+                           delay_steps=-1)
+
+
+def test_a_step_with_a_closure_runs_the_stage_on_the_closures_gradients():
+    model, plain = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    reference = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    stage = DelayedMomentumSGD(optimizer, model.named_parameters())
+    x = torch.randn(4, 6)
+
+    def closure_of(net, opt):
+        def closure():
+            opt.zero_grad()
+            loss = net(x).square().mean()
+            loss.backward()
+            return loss
+        return closure
+
+    for _ in range(2):
+        optimizer.step(closure_of(model, optimizer)), reference.step(closure_of(plain, reference))
+    stage.after_compress([n for n, _ in model.named_parameters()], None, TopK(0.1), 0)
+    optimizer.step(closure_of(model, optimizer)), reference.step(closure_of(plain, reference))
+    fast, beta = compressed_momentum(0.9), 0.9
+    k = (1 - fast) / (1 - beta)
+    for p, q in zip(model.parameters(), plain.parameters()):  # the same gradient, the short momentum on it
+        old = (reference.state[q]["momentum_buffer"] - q.grad) / beta
+        torch.testing.assert_close(optimizer.state[p]["momentum_buffer"], fast * old + k * q.grad, rtol=1e-5,
+                                   atol=1e-6)
