@@ -9,7 +9,7 @@ import torch
 
 from gradcomp.compressors import ThreeBit, TopK
 from gradcomp.optim import DelayedMomentumSGD
-from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum
+from gradcomp.optim.delayed_momentum import DELAY_DENSITY, DELAY_STEPS, compressed_momentum, delay_at
 
 
 def test_the_shortened_momentum_gives_up_the_delay_in_steps_and_never_goes_below_zero():
@@ -21,6 +21,18 @@ def test_the_shortened_momentum_gives_up_the_delay_in_steps_and_never_goes_below
     shortened = [compressed_momentum(b) for b in betas]
     assert shortened == sorted(shortened) and all(s < b for s, b in zip(shortened, betas))
     assert DELAY_STEPS == 5.0
+
+
+def test_a_denser_payload_gives_up_less_delay_and_the_delay_is_capped():
+    """log(1/rho) / log(1/DELAY_DENSITY) of DELAY_STEPS: the ramp's first density 1/8 gives up 2.26 steps
+    (momentum 0.9 becomes 0.87), 1 % the whole 5 (0.8); sparser payloads keep 5; dense gives up nothing."""
+    assert DELAY_DENSITY == 0.01
+    assert delay_at(0.01) == pytest.approx(DELAY_STEPS) and delay_at(0.001) == DELAY_STEPS
+    assert delay_at(1 / 8) == pytest.approx(5 * 3 / (2 * 2.302585 / 0.693147), rel=1e-4)
+    assert compressed_momentum(0.9, delay_at(1 / 8)) == pytest.approx(0.871, abs=1e-3)
+    assert delay_at(1.0) == 0.0 and delay_at(0.0) == 0.0
+    delays = [delay_at(d) for d in (1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 0.01)]
+    assert delays == sorted(delays)
 
 
 def _model(seed=0):
@@ -65,7 +77,7 @@ def test_a_compressed_step_is_torchs_sgd_with_the_short_momentum_on_the_rescaled
         _grads(model, step), _grads(short, step)
         seen = [p.grad for p in model.parameters()]
         kept = [g.clone() for g in seen]
-        stage.after_compress(names, None, TopK(0.1), 0)
+        stage.after_compress(names, None, TopK(0.01), 0)
         optimizer.step(), short_opt.step()
         assert all(p.grad is g and torch.equal(g, c) for p, g, c in zip(model.parameters(), seen, kept))
     group = optimizer.param_groups[0]
@@ -88,13 +100,18 @@ def test_only_parameters_whose_group_was_compressed_take_the_short_step():
         _grads(model, step), _grads(plain, step)
         optimizer.step(), reference.step()
     _grads(model, 2), _grads(plain, 2)
-    stage.after_compress(["0.weight", "0.bias"], None, TopK(0.1), 0)
+    named, other = dict(model.named_parameters()), dict(plain.named_parameters())
+    old = optimizer.state[named["0.bias"]]["momentum_buffer"].clone()
+    stage.after_compress(["0.weight"], None, TopK(0.01), 0)
+    stage.after_compress(["0.bias"], None, TopK(1 / 8), 0)  # a denser payload: less delay given up
     stage.after_compress(["2.weight"], None, ThreeBit(), 0)  # a quantizer: no delay to give up
     stage.dense(["2.bias"], None, None)
     optimizer.step(), reference.step()
-    named, other = dict(model.named_parameters()), dict(plain.named_parameters())
     assert torch.equal(named["2.weight"], other["2.weight"]) and torch.equal(named["2.bias"], other["2.bias"])
     assert not torch.equal(named["0.weight"], other["0.weight"])
+    fast = compressed_momentum(0.9, delay_at(1 / 8))
+    torch.testing.assert_close(optimizer.state[named["0.bias"]]["momentum_buffer"],
+                               fast * old + (1 - fast) / 0.1 * named["0.bias"].grad)
     _grads(model, 3), _grads(plain, 3)
     before = {n: p.clone() for n, p in named.items()}
     optimizer.step()
@@ -134,7 +151,7 @@ def test_a_step_with_a_closure_runs_the_stage_on_the_closures_gradients():
 
     for _ in range(2):
         optimizer.step(closure_of(model, optimizer)), reference.step(closure_of(plain, reference))
-    stage.after_compress([n for n, _ in model.named_parameters()], None, TopK(0.1), 0)
+    stage.after_compress([n for n, _ in model.named_parameters()], None, TopK(0.01), 0)
     optimizer.step(closure_of(model, optimizer)), reference.step(closure_of(plain, reference))
     fast, beta = compressed_momentum(0.9), 0.9
     k = (1 - fast) / (1 - beta)

@@ -5,8 +5,9 @@ releases it: gradient mass reaches the optimizer late, and a late gradient acts 
 (asynchronous SGD's "implicit momentum", Mitliagkas et al., 2016). On top of SGD's explicit momentum 0.9
 that surplus left top-k 9 % above dense held-out loss on both transformers of the convergence study.
 While a parameter's group is compressed, this stage gives its SGD update a momentum ``beta'`` whose own
-mean delay ``beta' / (1 - beta')`` is the explicit one's, ``beta / (1 - beta)``, less
-:data:`DELAY_STEPS`, at the same step size for a steady gradient (``lr / (1 - beta)``). Written in the
+mean delay ``beta' / (1 - beta')`` is the explicit one's, ``beta / (1 - beta)``, less :func:`delay_at`
+(:data:`DELAY_STEPS` at top-k 1 %, less for a denser payload), at the same step size for a steady gradient
+(``lr / (1 - beta)``). Written in the
 optimizer's own buffer (``b``, its units unchanged, so dense steps, checkpoints and a switch back go on as
 they would)::
 
@@ -23,21 +24,34 @@ groups under ``min_numel``) take the optimizer's own step.
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, Iterable, List, Set, Tuple
+import math
+from typing import Dict, Hashable, Iterable, List, Tuple
 
 import torch
 
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
-__all__ = ["DelayedMomentumSGD", "DELAY_STEPS", "compressed_momentum"]
+__all__ = ["DelayedMomentumSGD", "DELAY_STEPS", "DELAY_DENSITY", "compressed_momentum", "delay_at"]
 
-#: The mean delay, in steps, that error feedback adds at the recipe's densities, which the momentum gives up
-#: (0.9 becomes 0.8: a mean delay of 4 steps in place of 9). Screened on the GPT and charlm-small under
-#: SGD-momentum 0.9, top-k 1 % (``experiments/results/research-topk-momentum/``): 5 steps (0.8) brought
-#: both within about 2 % of dense; 8 steps (0.5) closed the GPT's gap but broke charlm-small, which runs
-#: near SGD's stability edge (a shorter memory answers a gradient with a larger first step); 9 (0) no better.
+#: The mean delay, in steps, that error feedback adds at top-k density :data:`DELAY_DENSITY`, which the momentum
+#: gives up (0.9 becomes 0.8: a mean delay of 4 steps in place of 9). Screened on the GPT and charlm-small under
+#: SGD-momentum 0.9, top-k 1 % (``experiments/results/research-topk-momentum/``): 5 steps (0.8) brought both
+#: within about 2 % of dense; 8 steps (0.5) closed the GPT's gap but broke charlm-small, which runs near SGD's
+#: stability edge (a shorter memory answers a gradient with a larger first step); 9 (0) no better.
 DELAY_STEPS = 5.0
+#: The density :data:`DELAY_STEPS` was measured at. A denser payload holds coordinates back for less: the delay
+#: given up at density ``rho`` is ``DELAY_STEPS * log(1/rho) / log(1/DELAY_DENSITY)``, at most ``DELAY_STEPS``
+#: (a coordinate waits about as long as it takes to rank among the top ``rho`` share). With the whole 5 steps
+#: from the ramp's first density (1/8) on, the CNN of the study (shapes) diverged 16 steps after its dense start.
+DELAY_DENSITY = 0.01
+
+
+def delay_at(density: float, delay_steps: float = DELAY_STEPS) -> float:
+    """The delay, in steps, given up on a step compressed at ``density`` (see :data:`DELAY_DENSITY`)."""
+    if not 0 < density < 1:
+        return 0.0
+    return delay_steps * min(1.0, math.log(1 / density) / math.log(1 / DELAY_DENSITY))
 
 
 def compressed_momentum(beta: float, delay_steps: float = DELAY_STEPS) -> float:
@@ -68,8 +82,8 @@ class DelayedMomentumSGD:
             raise ValueError(f"delay_steps must be >= 0, got {delay_steps!r}")
         self.optimizer, self.delay_steps = optimizer, float(delay_steps)
         self.names: Dict[Hashable, torch.nn.Parameter] = dict(unwrapped_names(named_parameters))
-        # Names whose group a sparsifier compressed in this step's exchange (filled by after_compress).
-        self._compressed: Set[Hashable] = set()
+        # The density of each name whose group a sparsifier compressed in this step's exchange (after_compress).
+        self._compressed: Dict[Hashable, float] = {}
         self._cleared: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         if step_hook:
             optimizer.register_step_pre_hook(after_closure(self.before_optimizer_step))
@@ -85,16 +99,16 @@ class DelayedMomentumSGD:
         return grad
 
     def dense(self, keys, numels, grad: torch.Tensor) -> torch.Tensor:
-        self._compressed.difference_update(keys)
+        for key in keys:
+            self._compressed.pop(key, None)
         return grad
 
     def after_compress(self, keys, payload, compressor, numel: int) -> None:
         """Record ``keys`` as compressed this step if ``compressor`` sparsifies (a quantizer, which a policy
         may pick for a group, sends every coordinate every step: no delay to give up)."""
-        if compressor.sparsifies:
-            self._compressed.update(keys)
-        else:
-            self._compressed.difference_update(keys)
+        density = getattr(compressor, "density", 0.0) if compressor.sparsifies else 1.0
+        for key in keys:
+            self._compressed[key] = density
 
     def commit(self, keys, accept=True) -> None:
         pass
@@ -105,17 +119,18 @@ class DelayedMomentumSGD:
         """The shortened-momentum update of every parameter compressed this step (before the optimizer's own
         step); mutates the parameter and its ``momentum_buffer`` and clears its ``grad`` until
         :meth:`after_optimizer_step`."""
-        compressed = {id(self.names[key]) for key in self._compressed if key in self.names}
+        compressed = {id(self.names[key]): density for key, density in self._compressed.items() if key in self.names}
         self._compressed.clear()
         self._cleared = []
         for group in self.optimizer.param_groups:
             beta = float(group["momentum"])
             if beta <= 0:
                 continue
-            fast = compressed_momentum(beta, self.delay_steps)
             for param in group["params"]:
-                if param.grad is None or id(param) not in compressed:
+                delay = delay_at(compressed.get(id(param), 1.0), self.delay_steps)
+                if param.grad is None or delay <= 0:
                     continue
+                fast = compressed_momentum(beta, delay)
                 self._step(param, group, fast, (1 - fast) / (1 - beta))
                 self._cleared.append((param, param.grad))
                 param.grad = None
