@@ -45,8 +45,8 @@ Extension slots (filled by :mod:`gradcomp.schedule` and :mod:`gradcomp.optim`):
 * ``transform``: ``before_compress(keys, numels, g) -> g'``, ``after_compress(keys, payload,
   compressor, numel)``, ``dense(keys, numels, g) -> g'`` (all ``g`` float32 ``[n]``), optionally
   ``after_average(keys, numels, average, dense)`` (maps the group's average, in place, back to
-  gradient units before the commit: ``.grad`` holds the average gradient), ``commit(keys,
-  accept)``, ``state_dict()``, ``load_state_dict(d)``, ``suspended`` (true: no commit). Default ``None``.
+  gradient units before the commit: ``.grad`` holds the average gradient) and ``commit(keys, accept)`` (state
+  kept on an accepted step only), ``state_dict()``, ``load_state_dict(d)``, ``suspended`` (true: no commit).
 """
 from __future__ import annotations
 
@@ -325,9 +325,8 @@ class Engine:
         """Commit ``e'`` (and the state of an exchange or transform that keeps some) only if the exchange accepts
         the step (``average`` finite on every rank); a device-tensor decision is read at the next use.
 
-        ``average`` is what the group's gradient received, in the gradient's dtype (every
-        exchange returns the gradient itself after the write), so a result finite in float32
-        that overflows in float16 commits nothing.
+        ``average`` is what the group's gradient received, in the gradient's dtype (every exchange returns
+        the gradient itself after the write), so a result finite in float32 that overflows in float16 commits nothing.
 
         First the transform maps the average back to gradient units in place (``after_average``),
         so that what the framework writes into ``.grad`` is the average gradient whatever the
@@ -337,7 +336,8 @@ class Engine:
         if after is not None:
             after(handle.keys, handle.numels, average, exchange.sends_gradient)
         feedback = not exchange.sends_gradient and handle.compressor.uses_error_feedback and self.error_feedback
-        if not feedback and (self.transform is None or getattr(self.transform, "suspended", False)):
+        commit = getattr(self.transform, "commit", None)  # a stage whose state waits on the step's verdict
+        if not feedback and (commit is None or getattr(self.transform, "suspended", False)):
             return  # nothing to commit: no finite check
         accept = exchange.accept(context, handle, average)
         if feedback:
@@ -345,8 +345,8 @@ class Engine:
             self.residual_memory.commit(handle.keys, accept, self.residual_decay if own else 1.0)
             if exchange.state_key is not None:
                 exchange.commit(context, handle, accept)
-        if self.transform is not None:
-            self.transform.commit(handle.keys, accept)
+        if commit is not None:
+            commit(handle.keys, accept)
 
     def _loss_scale(self) -> float:
         """The grad scaler's scale this step (read once per step; 1.0 without a scaler)."""
