@@ -24,8 +24,9 @@ __all__ = ["DEFAULT_WARMUP_STEPS", "DEFAULT_MIN_NUMEL", "check_compressor", "che
            "check_gradient_dtypes", "check_decay", "check_schedule", "check_transform", "loss_scale",
            "check_backend_name"]
 
-#: What the engine calls on a ``transform`` (see :mod:`gradcomp.engine`).
-TRANSFORM_METHODS = ("before_compress", "after_compress", "dense", "commit", "state_dict", "load_state_dict")
+#: What the engine calls on every ``transform`` (see :mod:`gradcomp.engine`; ``commit`` and ``after_average`` are
+#: optional).
+TRANSFORM_METHODS = ("before_compress", "after_compress", "dense", "state_dict", "load_state_dict")
 
 DEFAULT_WARMUP_STEPS = 2
 DEFAULT_MIN_NUMEL = 1024
