@@ -49,8 +49,8 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   quantizer the gradient). Under SGD the compressed gradient (error feedback, ``.grad`` the average
   gradient) goes into the user's own SGD, whose momentum runs after the exchange on every rank alike;
   with a sparsifier and momentum, :class:`~gradcomp.optim.DelayedMomentumSGD` shortens that momentum
-  on compressed steps by the delay error feedback adds (top-k's gap on the two transformers came from
-  it; not under FSDP, whose shards it has not been run on). Other optimizers get error feedback and a notice.
+  on compressed steps by the delay error feedback adds (about half of top-k's gap on the two transformers
+  came from it; not under FSDP, whose shards it has not been run on). Other optimizers get error feedback and a notice.
 
 What the user's loop sees does not change: after ``backward()`` every ``.grad`` holds the average
 gradient in gradient units (for top-k under Adam, the average of the ranks' first moments, an
