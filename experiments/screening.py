@@ -1,8 +1,9 @@
 """What the research screens share (``experiments/results/research-*/screens/``): a study run cut short.
 
 The screens change a piece of the recipe from outside (a constant, a patched function) and run the
-study's own simulation of 2 ranks; :func:`run_prefix` runs the first steps of one of its runs, and
-:func:`topk_by_score` is a top-k compression whose selection a screen chooses.
+study's own simulation of 2 ranks; :func:`run_prefix` runs the first steps of one of its runs,
+:func:`recorded_engines` hands a screen the engines that run builds, and :func:`topk_by_score` is a top-k
+compression whose selection a screen chooses.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from experiments import simrun
 from experiments.convergence import RunSpec
 from experiments.suite import STEPS
 
-__all__ = ["run_prefix", "topk_by_score"]
+__all__ = ["run_prefix", "recorded_engines", "topk_by_score"]
 
 
 def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str, seed: int = 0) -> None:
@@ -32,6 +33,25 @@ def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str, 
         pass
     finally:
         simrun._train_step = train_step
+
+
+def recorded_engines() -> list:
+    """A list that receives every engine the study's next simulated run builds (one per rank, in rank
+    order), from :mod:`experiments.simrun`'s set-up, patched here (for the process's life)."""
+    engines = []
+    attach_of = simrun._attach
+
+    def recording_attach(spec, schedulers):
+        attach = attach_of(spec, schedulers)
+
+        def attach_recorded(rank, replica, optimizer, transport):
+            engines.append(attach(rank, replica, optimizer, transport))
+            return engines[-1]
+
+        return attach_recorded
+
+    simrun._attach = recording_attach
+    return engines
 
 
 def topk_by_score(compressor, tensor: torch.Tensor, residual, residual_out, score):

@@ -18,23 +18,14 @@ import torch
 from experiments import loop as loops
 from experiments import simrun
 from experiments.convergence import RunSpec
-from experiments.screening import run_prefix
+from experiments.screening import recorded_engines, run_prefix
 from gradcomp import recipe
 
 
 def main(variant: str, stop: int, log: str, workload: str, run_steps: str = "") -> None:
     torch.set_num_threads(1)
-    engines = []
-    attach_of, before_step = simrun._attach, loops.before_step
-
-    def recording_attach(spec, schedulers):
-        attach = attach_of(spec, schedulers)
-
-        def attach_recorded(rank, replica, optimizer, transport):
-            engines.append(attach(rank, replica, optimizer, transport))
-            return engines[-1]
-
-        return attach_recorded
+    engines = recorded_engines()
+    before_step = loops.before_step
 
     def adjusted(loop, model, optimizer, scaler=None):
         norm = before_step(loop, model, optimizer, scaler)
@@ -43,7 +34,7 @@ def main(variant: str, stop: int, log: str, workload: str, run_steps: str = "") 
                 group["betas"] = (float(variant.split("=")[1]), group["betas"][1])
         return norm
 
-    simrun._attach, loops.before_step = recording_attach, adjusted
+    loops.before_step = adjusted
     if variant == "bucket":
         recipe._granularity = lambda optimizer, compressor: "bucket" if compressor.sparsifies else None
     if run_steps:

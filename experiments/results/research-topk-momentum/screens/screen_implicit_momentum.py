@@ -19,23 +19,14 @@ import sys
 import torch
 
 from experiments import loop as loops
-from experiments import simrun
-from experiments.screening import run_prefix
+from experiments.screening import recorded_engines, run_prefix
 
 
 def main(beta_new: float, stop: int, log: str, workload: str = "gpt", method: str = "topk") -> None:
     torch.set_num_threads(1)
-    engines, switched = [], set()
-    attach_of, before_step = simrun._attach, loops.before_step
-
-    def recording_attach(spec, schedulers):
-        attach = attach_of(spec, schedulers)
-
-        def attach_recorded(rank, replica, optimizer, transport):
-            engines.append(attach(rank, replica, optimizer, transport))
-            return engines[-1]
-
-        return attach_recorded
+    switched = set()
+    engines = recorded_engines()
+    before_step = loops.before_step
 
     def adjusted(loop, model, optimizer, scaler=None):
         norm = before_step(loop, model, optimizer, scaler)
@@ -53,7 +44,7 @@ def main(beta_new: float, stop: int, log: str, workload: str = "gpt", method: st
         switched.add(id(optimizer))
         return norm
 
-    simrun._attach, loops.before_step = recording_attach, adjusted
+    loops.before_step = adjusted
     run_prefix(stop, log, workload, "sgdm", method)
 
 
