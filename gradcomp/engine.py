@@ -12,7 +12,7 @@ one flat gradient and the names of the parameters laid out in it::
     schedule        compressor = schedule.compressor_at(step, base)   (None: a dense step)
     policy          compressor = policy.choose(...)                    (optional, e.g. Auto)
     exchange        the first of the engine's chain of exchanges that applies (gradcomp.exchanges)
-    transform       g = transform.before_compress(keys, numels, g)     (optional, e.g. DGC)
+    transform       g = transform.before_compress(keys, numels, g, compressor)  (optional)
     compensate      e: fp32 residuals keyed by parameter name, handed to the exchange's compress
     compress        payload, e' = C(g + e)       one fused kernel; e' goes to a spare buffer
     launch          the exchange's collective (allgather of fixed-size payloads, allreduce of summable ones, ...)
@@ -42,7 +42,7 @@ Extension slots (filled by :mod:`gradcomp.schedule` and :mod:`gradcomp.optim`):
   result must be a function of ``step`` and ``base`` only, so that every rank agrees),
   ``state_dict()``, ``load_state_dict(d)`` (raises, changing nothing, if ``d`` does not fit).
   Default: :class:`gradcomp.schedule.DenseWarmup` of ``warmup_steps``.
-* ``transform``: ``before_compress(keys, numels, g) -> g'``, ``after_compress(keys, payload,
+* ``transform``: ``before_compress(keys, numels, g, compressor) -> g'``, ``after_compress(keys, payload,
   compressor, numel)``, ``dense(keys, numels, g) -> g'`` (all ``g`` float32 ``[n]``), optionally
   ``after_average(keys, numels, average, dense)`` (maps the group's average, in place, back to
   gradient units before the commit: ``.grad`` holds the average gradient) and ``commit(keys, accept)`` (state
@@ -319,7 +319,7 @@ class Engine:
             logger.info("gradcomp: compression starts at step %d with %r", self.step, handle.compressor)
         if self.transform is None:
             return grad
-        return self.transform.before_compress(handle.keys, handle.numels, grad.float())
+        return self.transform.before_compress(handle.keys, handle.numels, grad.float(), handle.compressor)
 
     def _commit(self, context: ExchangeContext, handle: Handle, average: torch.Tensor) -> None:
         """Commit ``e'`` (and the state of an exchange or transform that keeps some) only if the exchange accepts

@@ -45,8 +45,9 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   Under Adam the stage's update units already put every tensor on one scale, and quantizers scale each
   chunk themselves, so both keep the engine's default (each parameter on its own).
 * **optimizer stage**: Adam/AdamW gets :class:`~gradcomp.optim.FrozenVarianceAdam` (variance frozen
-  at ``D``, compression in Adam's update units; a sparsifier exchanges each rank's first moment, a
-  quantizer the gradient). Under SGD the compressed gradient (error feedback, ``.grad`` the average
+  at ``D``, compression in Adam's update units; a sparsifier exchanges each rank's first moment, its
+  ``beta1`` shortened by the delay error feedback adds as under SGD, a quantizer the gradient). Under
+  SGD the compressed gradient (error feedback, ``.grad`` the average
   gradient) goes into the user's own SGD, whose momentum runs after the exchange on every rank alike;
   with a sparsifier and momentum, :class:`~gradcomp.optim.DelayedMomentumSGD` shortens that momentum
   on compressed steps by the delay error feedback adds (about half of top-k's gap on the two transformers
@@ -344,8 +345,9 @@ def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list
     if isinstance(optimizer, torch.optim.Adam):
         exchange = "momentum" if compressor.sparsifies else "gradient"
         stage = FrozenVarianceAdam(optimizer, named, freeze_step=dense_steps, exchange=exchange, step_hook=step_hook)
+        shortened = f", its beta1 shortened by {stage.delay_steps:g} steps' delay" if stage.delay_steps else ""
         return stage, (f"frozen-variance {type(optimizer).__name__} (freeze at step {dense_steps}, each rank's "
-                       f"{'first moment' if exchange == 'momentum' else 'gradient'} sent in update units)")
+                       f"{'first moment' if exchange == 'momentum' else 'gradient'} sent in update units{shortened})")
     if isinstance(optimizer, torch.optim.SGD):
         momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
         if momentum and compressor.sparsifies and not sharded:

@@ -31,7 +31,7 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def before_compress(self, keys, numels, grad):
+    def before_compress(self, keys, numels, grad, compressor):
         self.calls.append(("before_compress", keys))
         return grad * 2
 

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import gradcomp
 from gradcomp.optim import FrozenVarianceAdam
 
 
@@ -104,6 +105,41 @@ def test_momentum_exchange_keeps_this_ranks_first_moment_transactionally():
     assert all(torch.equal(optimizer.state[p]["exp_avg"], torch.full_like(p, 0.25)) for p in net.parameters())
 
 
+@pytest.mark.parametrize("compressor, beta1", [(gradcomp.TopK(0.01), 0.8), (gradcomp.TopK(0.1), 6.5 / 7.5),
+                                               (gradcomp.ThreeBit(), 0.9), (None, 0.9)])
+def test_a_sparsified_first_moment_gives_up_error_feedbacks_delay(compressor, beta1):
+    """Top-k's residual holds a coordinate back: the moment a sparsifier compresses forms with the shorter b1'
+    (b1' / (1 - b1') = 9 - delay_at(density): 5 steps at 1 %, 2.5 at 10 %); a quantizer's or a dense step's with b1."""
+    net = small_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    stage = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10, exchange="momentum")
+    train(net, optimizer, 10)
+    keys, numels = keys_and_numels(net)
+    grad = torch.linspace(-1, 1, sum(numels))
+    start = torch.cat([optimizer.state[p]["exp_avg"].reshape(-1) for p in net.parameters()])
+    stage.before_compress(keys, numels, grad, compressor)
+    stage.commit(keys)
+    torch.testing.assert_close(torch.cat([stage.moments[k] for k in keys]), torch.lerp(start, grad, 1 - beta1))
+    if beta1 == 0.9:  # bitwise the user's b1, not a round trip through the delay's arithmetic
+        assert torch.equal(torch.cat([stage.moments[k] for k in keys]), torch.lerp(start, grad, 1 - 0.9))
+
+
+def test_no_delay_given_up_with_delay_steps_zero_or_the_gradient_exchanged():
+    net = small_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    assert FrozenVarianceAdam(optimizer, net.named_parameters(), 10, exchange="gradient").delay_steps == 0
+    stage = FrozenVarianceAdam(optimizer, net.named_parameters(), 10, exchange="momentum", delay_steps=0)
+    train(net, optimizer, 10)
+    keys, numels = keys_and_numels(net)
+    grad = torch.linspace(-1, 1, sum(numels))
+    start = torch.cat([optimizer.state[p]["exp_avg"].reshape(-1) for p in net.parameters()])
+    stage.before_compress(keys, numels, grad, gradcomp.TopK(0.01))
+    stage.commit(keys)
+    assert torch.equal(torch.cat([stage.moments[k] for k in keys]), torch.lerp(start, grad, 1 - 0.9))
+    with pytest.raises(ValueError, match="delay_steps"):
+        FrozenVarianceAdam(optimizer, net.named_parameters(), 10, exchange="momentum", delay_steps=-1)
+
+
 def test_before_the_freeze_the_stage_changes_nothing():
     net, twin = small_net(), small_net()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -118,7 +154,11 @@ def test_state_dict_holds_settings_and_moments_only():
     optimizer = torch.optim.AdamW(net.parameters())
     gradient = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10)
     assert gradient.state_dict() == {"freeze_step": 10, "exchange": "gradient", "variance_floor": 0.1,
-                                     "suspended": False, "frozen_at": None}
+                                     "delay_steps": 0.0, "suspended": False, "frozen_at": None}
+    momentum = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10, exchange="momentum")
+    assert momentum.state_dict()["delay_steps"] == 5.0
+    older = {k: v for k, v in momentum.state_dict().items() if k != "delay_steps"}
+    momentum.load_state_dict(older)  # saved before the setting existed: loads
     settings = gradient.settings()
     assert math.isclose(dict(settings["optimizer"][0])["eps"], 1e-8)
     assert dict(settings["optimizer"][0])["lr"] == 1e-3

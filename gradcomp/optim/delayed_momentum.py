@@ -97,7 +97,7 @@ class DelayedMomentumSGD:
         return set(self.names)
 
     # -- the engine's transform protocol: only which groups were compressed ------------------
-    def before_compress(self, keys, numels, grad: torch.Tensor) -> torch.Tensor:
+    def before_compress(self, keys, numels, grad: torch.Tensor, compressor) -> torch.Tensor:
         """The gradient, unchanged (not mutated): the stage acts in the optimizer's step."""
         return grad
 

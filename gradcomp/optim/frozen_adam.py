@@ -19,13 +19,16 @@ gradient units before the framework writes ``.grad``):
    * ``"gradient"`` (quantizers): each rank's gradient, with error feedback. ``.grad`` holds the
      average gradient; a step pre-hook runs Adam with the frozen variance on it
      (``exp_avg`` the exponential average of ``.grad``, the same on every rank).
-   * ``"momentum"`` (sparsifiers): each rank's own first moment ``m_i = b1 m_i + (1 - b1) g_i``
+   * ``"momentum"`` (sparsifiers): each rank's own first moment ``m_i = b1' m_i + (1 - b1') g_i``
      (kept here, per rank, in :meth:`state_dict`), with error feedback. ``.grad`` holds the
      average of the first moments -- an exponential average of the gradients, in gradient units --
      and the step applies it as Adam's first moment (``exp_avg`` becomes it). A top-k coordinate
      waits many steps in the residual; the momentum's own delay then passes during that wait
      instead of after it (measured on charlm-small, AdamW, top-k 1%, 600 steps: +5.7% held-out
-     loss over dense exchanging the first moment, +11.6% exchanging the gradient).
+     loss over dense exchanging the first moment, +11.6% exchanging the gradient). That wait is a
+     delay of its own, so ``b1'`` gives it up as SGD's stage does (:mod:`gradcomp.optim.delayed_momentum`):
+     ``b1' / (1 - b1') = b1 / (1 - b1) - delay_at(density)``, 0.9 becoming 0.8 at top-k 1 % (an
+     exponential average keeps its steady state whatever ``b1'``, so the step size is unchanged).
 
    The step pre-hook reads ``.grad`` as the user's loop left it (clipped, unscaled, ...), so
    whatever the loop does to ``.grad`` acts on the update as it does without gradcomp; it applies
@@ -51,6 +54,7 @@ from typing import Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
 import torch
 
+from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
@@ -90,6 +94,8 @@ class FrozenVarianceAdam:
         named_parameters: ``(name, parameter)`` of the averaged parameters (the engine's keys).
         freeze_step: optimizer steps of plain Adam before the variance freezes (>= 1).
         exchange: ``"gradient"`` or ``"momentum"`` (see the module docstring).
+        delay_steps: with ``exchange="momentum"``, the delay the first moment gives up on a step a sparsifier
+            compresses at density 1 % (:data:`~gradcomp.optim.delayed_momentum.DELAY_STEPS`; 0: ``b1`` as it is).
         variance_floor: floor of a frozen ``sqrt(v_hat)`` as a fraction of the tensor's mean.
         step_hook: register :meth:`before_optimizer_step` as the optimizer's step pre-hook (DDP);
             in ``optimizer.step(closure)`` it runs after the closure (:mod:`gradcomp.optim.step_hook`).
@@ -98,8 +104,11 @@ class FrozenVarianceAdam:
     """
 
     def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], freeze_step: int,
-                 exchange: str = "gradient", variance_floor: float = 0.1, step_hook: bool = True):
+                 exchange: str = "gradient", variance_floor: float = 0.1, step_hook: bool = True,
+                 delay_steps: float = DELAY_STEPS):
         _check(optimizer, freeze_step, exchange, variance_floor)
+        if not float(delay_steps) >= 0:
+            raise ValueError(f"delay_steps must be >= 0, got {delay_steps!r}")
         self.optimizer = optimizer
         self.names: Dict[Hashable, torch.nn.Parameter] = dict(unwrapped_names(named_parameters))
         managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -108,6 +117,7 @@ class FrozenVarianceAdam:
             raise ValueError(f"parameters {unmanaged[:5]} are not in the optimizer; the recipe needs every "
                              "parameter DDP averages to be stepped by it")
         self.freeze_step, self.exchange, self.variance_floor = freeze_step, exchange, float(variance_floor)
+        self.delay_steps = float(delay_steps) if exchange == "momentum" else 0.0
         #: Stepped aside (:meth:`suspend`): the user's Adam runs as it is, its variance live again.
         self.suspended = False
         #: The optimizer step whose variance the denominators freeze (``None``: ``freeze_step``).
@@ -202,12 +212,15 @@ class FrozenVarianceAdam:
             raise KeyError(f"FrozenVarianceAdam has no parameter named {key!r}") from None
 
     # -- the engine's transform protocol ----------------------------------------------------
-    def before_compress(self, keys, numels, grad: torch.Tensor) -> torch.Tensor:
+    def before_compress(self, keys, numels, grad: torch.Tensor, compressor=None) -> torch.Tensor:
         """What this rank compresses (float32 ``[n]``, a new tensor): ``grad``, or with
-        ``exchange="momentum"`` this rank's next first moment, divided by the frozen denominator
-        for frozen parameters. ``grad`` is not mutated; the moments change at :meth:`commit`."""
+        ``exchange="momentum"`` this rank's next first moment (``b1'`` of ``compressor``'s density when it
+        sparsifies, else ``b1``; ``None``: a dense step), divided by the frozen denominator for frozen
+        parameters. ``grad`` is not mutated; the moments change at :meth:`commit`."""
         out = grad.float().clone()
         pending = []
+        density = getattr(compressor, "density", 1.0) if compressor is not None and compressor.sparsifies else 1.0
+        delay = delay_at(density, self.delay_steps)
         for key, param, group, piece in self._pieces(keys, numels, out):
             if self.exchange == "momentum":
                 if group["weight_decay"] and not _decoupled(self.optimizer, group):
@@ -215,7 +228,8 @@ class FrozenVarianceAdam:
                 moment = self.moments.get(key)
                 if moment is None:  # the first compressed step starts from Adam's own first moment
                     moment = self.optimizer.state[param]["exp_avg"].reshape(-1).float().clone()
-                piece.copy_(torch.lerp(moment, piece, 1 - group["betas"][0]))
+                beta1 = compressed_momentum(group["betas"][0], delay) if delay > 0 else group["betas"][0]
+                piece.copy_(torch.lerp(moment, piece, 1 - beta1))
                 pending.append((key, piece.clone(), moment))
             piece.div_(self._denom(param, group).reshape(-1))
         self._pending[tuple(keys)] = pending
@@ -287,7 +301,8 @@ class FrozenVarianceAdam:
     # -- settings and checkpoints -------------------------------------------------------------
     def _recipe(self) -> dict:
         """The settings a checkpoint must have been saved with (the learning rate may change)."""
-        return {"freeze_step": self.freeze_step, "exchange": self.exchange, "variance_floor": self.variance_floor}
+        return {"freeze_step": self.freeze_step, "exchange": self.exchange, "variance_floor": self.variance_floor,
+                "delay_steps": self.delay_steps}
 
     def settings(self) -> dict:
         """Every setting that changes how a replica moves (the cross-rank check hashes them)."""
@@ -315,6 +330,7 @@ class FrozenVarianceAdam:
         saved = dict(state_dict)
         moments = saved.pop("moments", {})
         suspended, frozen_at = saved.pop("suspended", False), saved.pop("frozen_at", None)
+        saved.setdefault("delay_steps", self.delay_steps)  # saved before the setting existed: any run's fits
         if not isinstance(suspended, bool) or not (frozen_at is None or (type(frozen_at) is int and frozen_at >= 1)):
             raise ValueError(f"the checkpoint's FrozenVarianceAdam has suspended={suspended!r}, "
                              f"frozen_at={frozen_at!r}; expected a bool and None or a step >= 1")
