@@ -4,6 +4,10 @@
   each rank compresses is ``m_i = X m_i + (1 - X) g_i``): an exponential average keeps its steady state
   whatever ``X``, and a shorter memory leaves room for the delay error feedback adds (a coordinate held
   back arrives late, which acts as momentum of its own; ``../research-topk-momentum/``).
+* ``delay``: from the first compressed step on, each group's ``beta1`` is SGD's stage's shortened momentum at
+  the step's density (``compressed_momentum(0.9, delay_at(rho))``: 0.8 at 1 %), the first moment still exchanged.
+* ``gradient-delay``: each rank's gradient exchanged in update units (as under the quantizers), its first
+  moment formed after the exchange with that shortened ``beta1`` (SGD's stage, in Adam's units).
 * ``bucket``: each group's top-k over the whole group (``granularity="bucket"``, as the recipe does under
   SGD) in place of a share per parameter: in Adam's update units every tensor is on one scale.
 
@@ -20,6 +24,8 @@ from experiments import simrun
 from experiments.convergence import RunSpec
 from experiments.screening import recorded_engines, run_prefix
 from gradcomp import recipe
+from gradcomp.optim import FrozenVarianceAdam
+from gradcomp.optim.delayed_momentum import compressed_momentum, delay_at
 
 
 def main(variant: str, stop: int, log: str, workload: str, run_steps: str = "") -> None:
@@ -29,14 +35,27 @@ def main(variant: str, stop: int, log: str, workload: str, run_steps: str = "") 
 
     def adjusted(loop, model, optimizer, scaler=None):
         norm = before_step(loop, model, optimizer, scaler)
-        if engines[0].compressor_now() is not None and variant.startswith("beta1="):
+        compressor = engines[0].compressor_now()
+        if compressor is not None and variant.startswith("beta1="):
             for group in optimizer.param_groups:
                 group["betas"] = (float(variant.split("=")[1]), group["betas"][1])
+        if compressor is not None and variant in ("delay", "gradient-delay"):
+            beta1 = compressed_momentum(0.9, delay_at(compressor.density))
+            for group in optimizer.param_groups:
+                group["betas"] = (beta1, group["betas"][1])
         return norm
 
     loops.before_step = adjusted
     if variant == "bucket":
         recipe._granularity = lambda optimizer, compressor: "bucket" if compressor.sparsifies else None
+    if variant == "gradient-delay":
+        import gradcomp.optim as optim
+
+        class GradientExchange(FrozenVarianceAdam):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **{**kwargs, "exchange": "gradient"})
+
+        optim.FrozenVarianceAdam = GradientExchange
     if run_steps:
         steps = int(run_steps)
         simrun.run(RunSpec(workload, "adamw", "topk", 0, steps, max(1, steps // 50)), log)
