@@ -1,17 +1,18 @@
 """Chunk-scaled 2-bit kernels (the counterpart of ``csrc/twobit_chunk.cu``).
 
-Each chunk of :data:`CHUNK` elements is one unit of work: its 64 compensated values are loaded
-once into a scratch row, the two halving-tree sums (mean magnitude, then the mean of the kept
-magnitudes) run on copies of it, and the chunk's four code words, its scale and its residuals
-are written from the row, so memory is read and written once. The arithmetic follows the
+Each chunk of :data:`CHUNK` elements is one unit of work: its 64 compensated values and their
+magnitudes are loaded once into a scratch row, the two halving-tree sums (mean magnitude, then
+the mean of the kept magnitudes) read the row, and the chunk's four code words, its scale and its
+residuals are written from it, so memory is read and written once. The arithmetic follows the
 contract of :mod:`gradcomp.backends` step by step (float32 sums in the halving-tree order,
 ``(sum / L) * 0.7f``), which is what makes every backend agree bit for bit.
 
-Speed comes from loops LLVM vectorises (``fastmath`` is not allowed: the bits must match):
+Speed comes from code LLVM vectorises (``fastmath`` is not allowed: the bits must match):
 
-* every pass over a chunk is a flat loop with selects, not branches, and the tree levels are
-  loops of constant length (32, 16, ..., 2), so each level is a few SIMD adds in the
-  prescribed order;
+* every pass over a chunk is a flat loop with selects, not branches, over one scratch array
+  (so no runtime overlap checks), in helpers inlined into the per-part loop (a call per chunk,
+  with its reference counting, cost more than the chunk's arithmetic);
+* the halving tree is written as LLVM vector shuffles and adds (:func:`tree_sum`);
 * codes go one per scratch byte, then four bytes become one packed byte with shifts and ors
   (as in :mod:`~gradcomp.backends.numba.twobit`), and the reverse when decoding;
 * decoding reads the scale once per chunk, never ``i // 64``.
