@@ -36,7 +36,9 @@ class Segment:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        # dtype.itemsize, not a scratch tensor's element_size(): layouts are read on every
+        # compress, and an allocation per read was a measurable share of a small model's step.
+        return self.numel * self.dtype.itemsize
 
 
 class PayloadLayout:
@@ -51,17 +53,19 @@ class PayloadLayout:
             offset = _round_up(offset + segment.nbytes, _ALIGN)
         self.segments: Tuple[Segment, ...] = tuple(segments)
         self.nbytes: int = max(offset, _ALIGN)
+        # The alignment gaps (byte ranges) that allocate() zeroes, worked out once per layout.
+        ends = [s.offset + s.nbytes for s in self.segments]
+        starts = [s.offset for s in self.segments[1:]] + [self.nbytes]
+        self._padding: Tuple[Tuple[int, int], ...] = tuple((end, start) for end, start in zip(ends, starts)
+                                                           if start > end)
 
     def allocate(self, device) -> "Payload":
         """A payload with an uninitialised buffer on ``device``."""
         buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         # Zero the alignment padding: the bytes on the wire are then a function of the
         # data alone (deterministic, and no stale memory is sent to other ranks).
-        ends = [s.offset + s.nbytes for s in self.segments]
-        starts = [s.offset for s in self.segments[1:]] + [self.nbytes]
-        for end, start in zip(ends, starts):
-            if start > end:
-                buffer[end:start].zero_()
+        for end, start in self._padding:
+            buffer[end:start].zero_()
         return Payload(self, buffer)
 
     def __eq__(self, other) -> bool:

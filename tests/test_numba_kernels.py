@@ -398,7 +398,14 @@ _THREADS_SCRIPT = textwrap.dedent(
         out = torch.zeros(grad.numel())
         KERNELS[("twobit_decompress_add", "numba")](codes, 0.5, out)
         KERNELS[("topk_decompress_add", "numba")](values, indices, out)
-        return [t.view(torch.int32) for t in (values, indices, topk_residual, codes, twobit_residual, out)]
+        chunked = []
+        for op, per_word, chunk in (("twobit_chunk", 16, 64), ("threebit", 10, 128)):
+            words = torch.empty(-(-grad.numel() // per_word), dtype=torch.int32)
+            scales, chunk_residual = torch.empty(-(-grad.numel() // chunk)), residual.clone()
+            KERNELS[(op + "_compress", "numba")](grad, chunk_residual, chunk_residual, words, scales)
+            KERNELS[(op + "_decompress_add", "numba")](words, scales, out)
+            chunked += [words, scales, chunk_residual]
+        return [t.view(torch.int32) for t in [values, indices, topk_residual, codes, twobit_residual, out] + chunked]
 
     one, two = run(1), run(2)
     assert all(torch.equal(a, b) for a, b in zip(one, two)), "results depend on the thread count"

@@ -114,6 +114,32 @@ def test_decompress_add_matches_the_reference(emulator, backend, n):
     assert_same(out.tensor, expected, "out")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mode", ["aliased", "separate", "none"])
+def test_numba_matches_the_reference_across_parallel_parts(dtype, mode):
+    """Three parallel parts of the Numba kernels, the last one ending in a tile of 641 % 640 = 1
+    element (not a whole word or chunk): every tile's codes, scales, residuals and decoded values."""
+    pytest.importorskip("numba")
+    from gradcomp.backends.numba import ops, threebit
+
+    n = 2 * threebit.PART_TILES * threebit.TILE + 641
+    grad, residual_in, residual_out = make_case(dtype, mode, n, "special", seed=11)
+    expected_codes, expected_scales, expected_residual = reference(grad, residual_in, residual_out is not None)
+    codes, scales = run("numba", None, grad, residual_in, residual_out.tensor if residual_out is not None else None)
+    assert_same(codes, expected_codes, "codes")
+    assert_same(scales, expected_scales, "scales")
+    if residual_out is not None:
+        residual_out.check("residual_out")
+        assert_same(residual_out.tensor, expected_residual, "residual")
+    start = make_values("special", n, seed=12)
+    expected = start.clone()
+    torch_ops.threebit_decompress_add(codes, scales, expected)
+    out = Guarded(n, torch.float32, fill=start)
+    ops.threebit_decompress_add(codes, scales, out.tensor)
+    out.check("out")
+    assert_same(out.tensor, expected, "out")
+
+
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_code_keeps_the_error_feedback_identity_and_seven_levels(backend, dtype):
