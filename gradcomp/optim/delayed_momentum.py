@@ -39,7 +39,10 @@ __all__ = ["DelayedMomentumSGD", "DELAY_STEPS", "DELAY_DENSITY", "compressed_mom
 #: SGD-momentum 0.9, top-k 1 % (``experiments/results/research-topk-momentum/``): 5 steps (0.8) took both from
 #: +9 % to +1.6-2.4 % above dense's held-out loss (with the density scaling below, +3.7 % and +4.6 % in the
 #: study); 8 steps (0.5) closed the GPT's gap but broke charlm-small, which runs near SGD's stability edge (a
-#: shorter memory answers a gradient with a larger first step); 9 (0) no better on the GPT.
+#: shorter memory answers a gradient with a larger first step); 9 (0) no better on the GPT. Little's law, measured in
+#: both runs (the residual's mass over the gradient's per step), gives the same 1-5 steps over the ramp. The same
+#: constant shortens Adam's first moment under top-k (:class:`~gradcomp.optim.FrozenVarianceAdam`; screened on the
+#: main job's cell, ``experiments/results/research-topk-adam/``, and validated on the study's five workloads).
 DELAY_STEPS = 5.0
 #: The density :data:`DELAY_STEPS` was measured at. A denser payload holds coordinates back for less: the delay
 #: given up at density ``rho`` is ``DELAY_STEPS * log(1/rho) / log(1/DELAY_DENSITY)``, at most ``DELAY_STEPS``
