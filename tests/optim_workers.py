@@ -1,6 +1,7 @@
 """Rank workers and an independent single-process simulation of the recipe's optimizer paths on
 real Gloo ranks: SGD with momentum on the compressed gradient (no stage), and the user's AdamW
-with :class:`~gradcomp.optim.FrozenVarianceAdam` exchanging the gradient or each rank's first moment.
+with :class:`~gradcomp.optim.FrozenVarianceAdam` exchanging the gradient or each rank's first moment (its
+``beta1`` shortened by error feedback's delay on the steps top-k compresses it).
 
 Every parameter has a DDP bucket of its own (``bucket_cap_mb_list`` with a tiny cap), so the
 simulation can follow each parameter alone, also right after a resume. The simulation is plain
@@ -116,6 +117,14 @@ def _density_at(step):
     return (0.25, 0.1)[stage] if stage < 2 else DENSITY
 
 
+def _shortened_beta1(density):
+    """Adam's beta1 under top-k at ``density``: its mean delay ``b / (1 - b)`` less error feedback's, 5 steps at
+    density 1/100, ``5 * log(1/density) / log(100)`` above it (the stage's rule, written from its definition)."""
+    delay = 5.0 * min(1.0, math.log(1 / density) / math.log(1 / 0.01))
+    left = max(0.0, BETAS[0] / (1.0 - BETAS[0]) - delay)
+    return left / (1.0 + left)
+
+
 def _exchange(sent, residuals, density, world_size):
     """The rank-ordered average of ``sent`` (one tensor per rank): dense, or top-k with error feedback."""
     n = sent[0].numel()
@@ -179,7 +188,9 @@ def simulate(kind, steps, world_size=2):
                 if frozen and kind == "adam-momentum":
                     start = [adam[k].m.reshape(-1) if moments[k][r] is None else moments[k][r]
                              for r in range(world_size)]
-                    sent = moments[k] = [torch.lerp(start[r], sent[r], 1 - BETAS[0]) for r in range(world_size)]
+                    compressed = _density_at(step) is not None and param.numel() >= MIN_NUMEL
+                    beta1 = _shortened_beta1(_density_at(step)) if compressed else BETAS[0]
+                    sent = moments[k] = [torch.lerp(start[r], sent[r], 1 - beta1) for r in range(world_size)]
                 if frozen:
                     sent = [s / adam[k].denom.reshape(-1) for s in sent]
                 average = _exchange(sent, residual[k], _density_at(step), world_size)
