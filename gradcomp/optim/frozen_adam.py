@@ -54,7 +54,7 @@ from typing import Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at
+from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_density
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
@@ -219,8 +219,7 @@ class FrozenVarianceAdam:
         parameters. ``grad`` is not mutated; the moments change at :meth:`commit`."""
         out = grad.float().clone()
         pending = []
-        density = getattr(compressor, "density", 1.0) if compressor is not None and compressor.sparsifies else 1.0
-        delay = delay_at(density, self.delay_steps)
+        delay = delay_at(held_back_density(compressor), self.delay_steps)
         for key, param, group, piece in self._pieces(keys, numels, out):
             if self.exchange == "momentum":
                 if group["weight_decay"] and not _decoupled(self.optimizer, group):
@@ -228,8 +227,7 @@ class FrozenVarianceAdam:
                 moment = self.moments.get(key)
                 if moment is None:  # the first compressed step starts from Adam's own first moment
                     moment = self.optimizer.state[param]["exp_avg"].reshape(-1).float().clone()
-                beta1 = compressed_momentum(group["betas"][0], delay) if delay > 0 else group["betas"][0]
-                piece.copy_(torch.lerp(moment, piece, 1 - beta1))
+                piece.copy_(torch.lerp(moment, piece, 1 - compressed_momentum(group["betas"][0], delay)))
                 pending.append((key, piece.clone(), moment))
             piece.div_(self._denom(param, group).reshape(-1))
         self._pending[tuple(keys)] = pending
