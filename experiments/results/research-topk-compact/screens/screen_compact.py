@@ -6,7 +6,8 @@ payload itself stays the 8-byte one (the quality is what is screened, not the by
 
 Usage, from the repository root:
 ``PYTHONPATH=. python experiments/results/research-topk-compact/screens/screen_compact.py STEPS LOG
-[WORKLOAD [OPTIMIZER]]`` (SGD-momentum unless named).
+[WORKLOAD [OPTIMIZER [ENTRY_BYTES]]]`` (SGD-momentum and 6 bytes unless named; 3 bytes is an 8-bit value
+with a 16-bit index, 2 bytes an 8-bit value with an 8-bit index inside a chunk of 256).
 """
 import sys
 
@@ -17,11 +18,11 @@ from experiments.screening import run_prefix
 from gradcomp import recipe
 from gradcomp.compressors import TopK
 
-ENTRY_BYTES = 6.0
 
-
-def main(stop: int, log: str, workload: str = "charlm-small", optimizer: str = "sgdm") -> None:
+def main(stop: int, log: str, workload: str = "charlm-small", optimizer: str = "sgdm",
+         entry_bytes: str = "6") -> None:
     torch.set_num_threads(1)
+    ENTRY_BYTES = float(entry_bytes)
     plain = recipe.bytes_per_element
 
     def compact(compressor, density, dense):
