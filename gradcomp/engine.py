@@ -341,7 +341,7 @@ class Engine:
             return  # nothing to commit: no finite check
         accept = exchange.accept(context, handle, average)
         if feedback:
-            own = type(handle.compressor) is type(self.compressor)  # the decay was set for this compressor's kind
+            own = type(handle.compressor.unwrapped()) is type(self.compressor)  # the decay's kind, per part too
             self.residual_memory.commit(handle.keys, accept, self.residual_decay if own else 1.0)
             if exchange.state_key is not None:
                 exchange.commit(context, handle, accept)

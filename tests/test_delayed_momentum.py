@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gradcomp.compressors import ThreeBit, TopK
+from gradcomp.compressors.per_parameter import PerParameter
 from gradcomp.optim import DelayedMomentumSGD
 from gradcomp.optim.delayed_momentum import DELAY_DENSITY, DELAY_STEPS, compressed_momentum, delay_at
 
@@ -117,6 +118,27 @@ def test_only_parameters_whose_group_was_compressed_take_the_short_step():
     optimizer.step()
     buf = optimizer.state[named["0.weight"]]["momentum_buffer"]
     torch.testing.assert_close(named["0.weight"], before["0.weight"] - 0.05 * buf)  # SGD's own step: nothing recorded
+
+
+def test_under_a_per_parameter_payload_only_the_parts_held_back_give_up_the_delay():
+    """A per-parameter top-k (the engine's default granularity) sends parameters under ``dense_below`` whole: they
+    keep SGD's own step; the others take the short step of the base's density."""
+    model, plain = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    reference = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    stage = DelayedMomentumSGD(optimizer, model.named_parameters())
+    for step in range(2):
+        _grads(model, step), _grads(plain, step)
+        optimizer.step(), reference.step()
+    _grads(model, 2), _grads(plain, 2)
+    named, other = dict(model.named_parameters()), dict(plain.named_parameters())
+    names = list(named)
+    wrapped = PerParameter(TopK(0.01), [named[n].numel() for n in names], dense_below=named["0.bias"].numel() + 1)
+    stage.after_compress(names, None, wrapped, 0)
+    optimizer.step(), reference.step()
+    for name, part in zip(names, wrapped.parts):
+        assert torch.equal(named[name], other[name]) == part.dense, name
+    assert any(part.dense for part in wrapped.parts) and not all(part.dense for part in wrapped.parts)
 
 
 def test_its_checkpoint_state_is_its_setting_and_another_is_refused_before_anything_changes():

@@ -171,6 +171,18 @@ def test_a_decayed_residual_is_the_kept_error_times_the_decay_and_a_rejected_ste
     assert torch.equal(engine.residual_memory.residual("w"), torch.tensor([0.75, 0.0, 0.375, 1.5]))
 
 
+def test_the_decay_holds_in_a_group_of_several_parameters_compressed_each_on_its_own():
+    """The engine's default granularity wraps a group of several parameters in a per-parameter compressor of the
+    engine's own kind: the decay applies to every part's residual."""
+    engine = Engine(gradcomp.TopK(0.5), OneRank(), warmup_steps=0, min_numel=0, backend="torch", residual_decay=0.5)
+    grad = torch.tensor([1.0, -4.0, 0.5, 2.0])
+    handle = engine.start(grad.clone(), ("a", "b"), [2, 2], 0)
+    engine.finish(handle, handle.work)
+    assert type(handle.compressor).__name__ == "PerParameter"
+    assert torch.equal(engine.residual_memory.residual("a"), torch.tensor([0.5, 0.0]))
+    assert torch.equal(engine.residual_memory.residual("b"), torch.tensor([0.25, 0.0]))
+
+
 class Picks:
     """A policy that gives every group ``compressor`` (the engine's policy protocol: choose, finished)."""
 

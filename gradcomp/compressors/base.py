@@ -107,6 +107,11 @@ class Compressor(abc.ABC):
         """The positions a sparsifying payload sends whole (an integer tensor), else ``None``."""
         return None
 
+    def unwrapped(self) -> "Compressor":
+        """The compressor this one applies to the elements it sends: itself, or for a wrapper that splits a
+        group into parts (:class:`~gradcomp.compressors.per_parameter.PerParameter`), the parts' compressor."""
+        return self
+
     def decompress(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         """Write ``decompress(payload)`` into ``out`` (any float dtype, ``[n]``) and return it."""
         if out.dtype == torch.float32:

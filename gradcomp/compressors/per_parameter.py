@@ -150,6 +150,9 @@ class PerParameter(Compressor):
             return torch.zeros(0, dtype=torch.int64, device=payload.buffer.device)
         return torch.cat(found)
 
+    def unwrapped(self) -> Compressor:
+        return self.base
+
     def __repr__(self) -> str:
         return f"PerParameter({self.base!r}, {len(self.numels)} parameters, dense_below={self.dense_below})"
 

@@ -54,7 +54,7 @@ from typing import Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_density
+from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_densities
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
@@ -214,12 +214,13 @@ class FrozenVarianceAdam:
     # -- the engine's transform protocol ----------------------------------------------------
     def before_compress(self, keys, numels, grad: torch.Tensor, compressor=None) -> torch.Tensor:
         """What this rank compresses (float32 ``[n]``, a new tensor): ``grad``, or with
-        ``exchange="momentum"`` this rank's next first moment (``b1'`` of ``compressor``'s density when it
-        sparsifies, else ``b1``; ``None``: a dense step), divided by the frozen denominator for frozen
+        ``exchange="momentum"`` this rank's next first moment (``b1'`` of ``compressor``'s density for the
+        parameters it holds back, else ``b1``; ``None``: a dense step), divided by the frozen denominator for frozen
         parameters. ``grad`` is not mutated; the moments change at :meth:`commit`."""
         out = grad.float().clone()
         pending = []
-        delay = delay_at(held_back_density(compressor), self.delay_steps)
+        delays = {key: delay_at(density, self.delay_steps)
+                  for key, density in zip(keys, held_back_densities(compressor, len(keys)))}
         for key, param, group, piece in self._pieces(keys, numels, out):
             if self.exchange == "momentum":
                 if group["weight_decay"] and not _decoupled(self.optimizer, group):
@@ -227,7 +228,7 @@ class FrozenVarianceAdam:
                 moment = self.moments.get(key)
                 if moment is None:  # the first compressed step starts from Adam's own first moment
                     moment = self.optimizer.state[param]["exp_avg"].reshape(-1).float().clone()
-                piece.copy_(torch.lerp(moment, piece, 1 - compressed_momentum(group["betas"][0], delay)))
+                piece.copy_(torch.lerp(moment, piece, 1 - compressed_momentum(group["betas"][0], delays[key])))
                 pending.append((key, piece.clone(), moment))
             piece.div_(self._denom(param, group).reshape(-1))
         self._pending[tuple(keys)] = pending
