@@ -250,7 +250,7 @@ class Engine:
         if self.policy is not None:
             compressor = self.policy.choose(self, group, grad.numel(), grad.dtype, grad.device, compressor)
         exchange = self.exchange_for(compressor, grad.numel(), grad.dtype, grad.device)
-        handle = Handle(group, keys, numels, grad, exchange, compressor)
+        handle = Handle(group, keys, numels, grad, exchange, exchange.granular(compressor, numels))
         handle.scale, handle.started = scale, time.perf_counter()
         context, source = self._context(), self._transformed(handle)
         exchange.compress(context, handle, source, self._compensate(handle, source))

@@ -33,6 +33,7 @@ class Recorder:
 
     def before_compress(self, keys, numels, grad, compressor):
         self.calls.append(("before_compress", keys))
+        self.compressor = compressor
         return grad * 2
 
     def after_compress(self, keys, payload, compressor, numel):
@@ -181,6 +182,21 @@ def test_the_decay_holds_in_a_group_of_several_parameters_compressed_each_on_its
     assert type(handle.compressor).__name__ == "PerParameter"
     assert torch.equal(engine.residual_memory.residual("a"), torch.tensor([0.5, 0.0]))
     assert torch.equal(engine.residual_memory.residual("b"), torch.tensor([0.25, 0.0]))
+
+
+def test_a_transform_sees_the_compressor_the_exchange_applies_so_it_knows_what_travels_whole():
+    """At the engine's default granularity a group of several parameters is compressed part by part, the parts
+    under ``min_numel`` sent whole: the transform is handed that per-parameter compressor before compressing
+    (an optimizer stage gives up no delay for what no residual holds back), and over a whole bucket the base."""
+    for granularity, parts in (("parameter", [True, False]), ("bucket", None)):
+        recorder = Recorder()
+        engine = Engine(gradcomp.TopK(0.5), OneRank(), warmup_steps=0, min_numel=3, backend="torch",
+                        transform=recorder, granularity=granularity)
+        handle = engine.start(torch.tensor([1.0, -4.0, 0.5, 2.0, 3.0]), ("b", "w"), [2, 3], 0)
+        engine.finish(handle, handle.work)
+        seen = getattr(recorder.compressor, "parts", None)
+        assert (seen and [part.dense for part in seen]) == parts, granularity
+        assert recorder.compressor is handle.compressor
 
 
 class Picks:

@@ -43,10 +43,6 @@ class Allgather(Exchange):
     def applies(self, compressor: Optional[Compressor], numel: int, dtype: torch.dtype, device, transport) -> bool:
         return compressor is not None
 
-    def compress(self, context, handle, source, residuals) -> None:
-        handle.compressor = self._granular(handle.compressor, handle.numels)
-        super().compress(context, handle, source, residuals)
-
     def start(self, context, handle) -> None:
         grad = handle.grad
         context.record(handle.group, handle.payload.nbytes, grad.numel() * grad.element_size(),
@@ -76,9 +72,9 @@ class Allgather(Exchange):
             grad.copy_(out)
         return grad
 
-    def _granular(self, compressor: Compressor, numels: Tuple[int, ...]) -> Compressor:
+    def granular(self, compressor: Optional[Compressor], numels: Tuple[int, ...]) -> Optional[Compressor]:
         """``compressor`` for a group of parameters of ``numels``: per parameter or whole, by granularity."""
-        if self.granularity == "bucket" or len(numels) < 2:
+        if compressor is None or self.granularity == "bucket" or len(numels) < 2:
             return compressor
         return self._per_parameter.get(compressor, numels, self.min_numel)
 

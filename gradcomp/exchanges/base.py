@@ -114,6 +114,13 @@ class Exchange(abc.ABC):
         ``min_numel``, a dtype that is not compressed). The answer must be the same on every rank.
         """
 
+    def granular(self, compressor: Optional[Compressor], numels: Tuple[int, ...]) -> Optional[Compressor]:
+        """The compressor this exchange applies to a group of parameters of ``numels`` (``handle.compressor`` from
+        the step's start, so that a transform sees it): ``compressor`` over the whole group by default; an exchange
+        that compresses each parameter on its own returns the per-parameter wrapper, which says which parameters
+        travel whole."""
+        return compressor
+
     def compress(self, context: ExchangeContext, handle: "Handle", source: torch.Tensor,
                  residuals: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Make the group's payload: by default ``handle.compressor`` over the whole group.
