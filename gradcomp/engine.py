@@ -11,7 +11,7 @@ one flat gradient and the names of the parameters laid out in it::
 
     schedule        compressor = schedule.compressor_at(step, base)   (None: a dense step)
     policy          compressor = policy.choose(...)                    (optional, e.g. Auto)
-    exchange        the first of the engine's chain of exchanges that applies (gradcomp.exchanges)
+    exchange        the first of the engine's chain of exchanges that applies; compressor = exchange.granular(...)
     transform       g = transform.before_compress(keys, numels, g, compressor)  (optional)
     compensate      e: fp32 residuals keyed by parameter name, handed to the exchange's compress
     compress        payload, e' = C(g + e)       one fused kernel; e' goes to a spare buffer

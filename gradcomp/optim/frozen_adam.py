@@ -28,7 +28,8 @@ gradient units before the framework writes ``.grad``):
      loss over dense exchanging the first moment, +11.6% exchanging the gradient). That wait is a
      delay of its own, so ``b1'`` gives it up as SGD's stage does (:mod:`gradcomp.optim.delayed_momentum`):
      ``b1' / (1 - b1') = b1 / (1 - b1) - delay_at(density)``, 0.9 becoming 0.8 at top-k 1 % (an
-     exponential average keeps its steady state whatever ``b1'``, so the step size is unchanged).
+     exponential average keeps its steady state whatever ``b1'``, so the step size is unchanged). A
+     parameter that a per-parameter payload sends whole (under ``min_numel``) waits nothing and keeps ``b1``.
 
    The step pre-hook reads ``.grad`` as the user's loop left it (clipped, unscaled, ...), so
    whatever the loop does to ``.grad`` acts on the update as it does without gradcomp; it applies
