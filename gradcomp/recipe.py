@@ -25,8 +25,10 @@ from mechanisms that hold whatever the model, each measured on four workloads of
 * **a decaying residual under SGD** (3-bit): each committed residual is multiplied by
   :data:`RESIDUAL_DECAY`, so an error held back ``k`` steps ago counts ``0.9**k`` (DeMo decays its
   buffer alike): after a spike a plain residual hands stale large gradients back for many steps.
-  Measured, SGD-momentum: charlm-small, seeds 0-4, worst +18.2% above dense against +49.3% with plain
-  error feedback, slightly better where neither jumps; the GPT, proselm, digits-mlp and shapes unchanged.
+  Measured, SGD-momentum: charlm-small, seed 0, +49.3% above dense with plain error feedback, -2.1% decayed
+  (de9ca4e); the GPT, proselm, digits-mlp and shapes unchanged. Until acf1caf the decay reached only groups of
+  one parameter (not a DDP bucket's); applied to every group, charlm-small's seeds 0-4 end -3.0/+16.3/-20.3/
+  -1.4/+4.7% (before: -2.4/+18.2/-20.3/-1.6/+4.4%; seeds 1 and 2 jump early, dense on seed 2 too).
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
   of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
   the run (Adam's second moment is estimated there, then frozen; a loop that sets the rate by hand
