@@ -120,9 +120,9 @@ def test_only_parameters_whose_group_was_compressed_take_the_short_step():
     torch.testing.assert_close(named["0.weight"], before["0.weight"] - 0.05 * buf)  # SGD's own step: nothing recorded
 
 
-def test_under_a_per_parameter_payload_only_the_parts_held_back_give_up_the_delay():
-    """A per-parameter top-k (the engine's default granularity) sends parameters under ``dense_below`` whole: they
-    keep SGD's own step; the others take the short step of the base's density."""
+def test_under_a_per_parameter_payload_every_parameter_of_the_group_takes_the_short_step():
+    """A per-parameter top-k (the engine's default granularity) holds the group back at its base's density:
+    every parameter takes the short step, those it sends whole (under ``dense_below``) too."""
     model, plain = _model(), _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     reference = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
@@ -132,12 +132,15 @@ def test_under_a_per_parameter_payload_only_the_parts_held_back_give_up_the_dela
         optimizer.step(), reference.step()
     _grads(model, 2), _grads(plain, 2)
     named, other = dict(model.named_parameters()), dict(plain.named_parameters())
-    names = list(named)
-    wrapped = PerParameter(TopK(0.01), [named[n].numel() for n in names], dense_below=named["0.bias"].numel() + 1)
-    stage.after_compress(names, None, wrapped, 0)
+    old = {n: optimizer.state[p]["momentum_buffer"].clone() for n, p in named.items()}
+    wrapped = PerParameter(TopK(0.01), [p.numel() for p in named.values()], dense_below=named["0.bias"].numel() + 1)
+    stage.after_compress(list(named), None, wrapped, 0)
     optimizer.step(), reference.step()
-    for name, part in zip(names, wrapped.parts):
-        assert torch.equal(named[name], other[name]) == part.dense, name
+    fast = compressed_momentum(0.9, delay_at(0.01))
+    for name, param in named.items():
+        assert not torch.equal(param, other[name]), name
+        torch.testing.assert_close(optimizer.state[param]["momentum_buffer"],
+                                   fast * old[name] + (1 - fast) / 0.1 * param.grad)
     assert any(part.dense for part in wrapped.parts) and not all(part.dense for part in wrapped.parts)
 
 

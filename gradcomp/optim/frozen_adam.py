@@ -28,8 +28,8 @@ gradient units before the framework writes ``.grad``):
      loss over dense exchanging the first moment, +11.6% exchanging the gradient). That wait is a
      delay of its own, so ``b1'`` gives it up as SGD's stage does (:mod:`gradcomp.optim.delayed_momentum`):
      ``b1' / (1 - b1') = b1 / (1 - b1) - delay_at(density)``, 0.9 becoming 0.8 at top-k 1 % (an
-     exponential average keeps its steady state whatever ``b1'``, so the step size is unchanged). A
-     parameter that a per-parameter payload sends whole (under ``min_numel``) waits nothing and keeps ``b1``.
+     exponential average keeps its steady state whatever ``b1'``, so the step size is unchanged), for
+     every parameter of the group (:func:`~gradcomp.optim.delayed_momentum.held_back_density`).
 
    The step pre-hook reads ``.grad`` as the user's loop left it (clipped, unscaled, ...), so
    whatever the loop does to ``.grad`` acts on the update as it does without gradcomp; it applies
@@ -55,7 +55,7 @@ from typing import Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_densities
+from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_density
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
@@ -215,13 +215,12 @@ class FrozenVarianceAdam:
     # -- the engine's transform protocol ----------------------------------------------------
     def before_compress(self, keys, numels, grad: torch.Tensor, compressor=None) -> torch.Tensor:
         """What this rank compresses (float32 ``[n]``, a new tensor): ``grad``, or with
-        ``exchange="momentum"`` this rank's next first moment (``b1'`` of ``compressor``'s density for the
-        parameters it holds back, else ``b1``; ``None``: a dense step), divided by the frozen denominator for frozen
+        ``exchange="momentum"`` this rank's next first moment (``b1'`` of ``compressor``'s density when it
+        sparsifies, else ``b1``; ``None``: a dense step), divided by the frozen denominator for frozen
         parameters. ``grad`` is not mutated; the moments change at :meth:`commit`."""
         out = grad.float().clone()
         pending = []
-        delays = {key: delay_at(density, self.delay_steps)
-                  for key, density in zip(keys, held_back_densities(compressor, len(keys)))}
+        delay = delay_at(held_back_density(compressor), self.delay_steps)
         for key, param, group, piece in self._pieces(keys, numels, out):
             if self.exchange == "momentum":
                 if group["weight_decay"] and not _decoupled(self.optimizer, group):
@@ -229,7 +228,7 @@ class FrozenVarianceAdam:
                 moment = self.moments.get(key)
                 if moment is None:  # the first compressed step starts from Adam's own first moment
                     moment = self.optimizer.state[param]["exp_avg"].reshape(-1).float().clone()
-                piece.copy_(torch.lerp(moment, piece, 1 - compressed_momentum(group["betas"][0], delays[key])))
+                piece.copy_(torch.lerp(moment, piece, 1 - compressed_momentum(group["betas"][0], delay)))
                 pending.append((key, piece.clone(), moment))
             piece.div_(self._denom(param, group).reshape(-1))
         self._pending[tuple(keys)] = pending
