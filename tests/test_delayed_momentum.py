@@ -89,10 +89,9 @@ def test_a_compressed_step_is_torchs_sgd_with_the_short_momentum_on_the_rescaled
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_only_parameters_whose_group_was_compressed_take_the_short_step():
-    """A group that went dense this step (a policy's choice, a group under min_numel) or went by a quantizer
-    keeps SGD's own step;
-    what was recorded is cleared by the step, so the next step starts from nothing."""
+def _stage_after_two_steps():
+    """``(model, plain, optimizer, reference, stage)``: the stage's SGD and torch's own on a copy, two steps of
+    SGD each, and the third step's gradients in place."""
     model, plain = _model(), _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     reference = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
@@ -101,6 +100,14 @@ def test_only_parameters_whose_group_was_compressed_take_the_short_step():
         _grads(model, step), _grads(plain, step)
         optimizer.step(), reference.step()
     _grads(model, 2), _grads(plain, 2)
+    return model, plain, optimizer, reference, stage
+
+
+def test_only_parameters_whose_group_was_compressed_take_the_short_step():
+    """A group that went dense this step (a policy's choice, a group under min_numel) or went by a quantizer
+    keeps SGD's own step;
+    what was recorded is cleared by the step, so the next step starts from nothing."""
+    model, plain, optimizer, reference, stage = _stage_after_two_steps()
     named, other = dict(model.named_parameters()), dict(plain.named_parameters())
     old = optimizer.state[named["0.bias"]]["momentum_buffer"].clone()
     stage.after_compress(["0.weight"], None, TopK(0.01), 0)
@@ -123,14 +130,7 @@ def test_only_parameters_whose_group_was_compressed_take_the_short_step():
 def test_under_a_per_parameter_payload_every_parameter_of_the_group_takes_the_short_step():
     """A per-parameter top-k (the engine's default granularity) holds the group back at its base's density:
     every parameter takes the short step, those it sends whole (under ``dense_below``) too."""
-    model, plain = _model(), _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    reference = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
-    stage = DelayedMomentumSGD(optimizer, model.named_parameters())
-    for step in range(2):
-        _grads(model, step), _grads(plain, step)
-        optimizer.step(), reference.step()
-    _grads(model, 2), _grads(plain, 2)
+    model, plain, optimizer, reference, stage = _stage_after_two_steps()
     named, other = dict(model.named_parameters()), dict(plain.named_parameters())
     old = {n: optimizer.state[p]["momentum_buffer"].clone() for n, p in named.items()}
     wrapped = PerParameter(TopK(0.01), [p.numel() for p in named.values()], dense_below=named["0.bias"].numel() + 1)
