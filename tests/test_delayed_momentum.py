@@ -184,3 +184,51 @@ def test_a_step_with_a_closure_runs_the_stage_on_the_closures_gradients():
         old = (reference.state[q]["momentum_buffer"] - q.grad) / beta
         torch.testing.assert_close(optimizer.state[p]["momentum_buffer"], fast * old + k * q.grad, rtol=1e-5,
                                    atol=1e-6)
+
+
+def _one_by_one(params, optimizer, group, delays):
+    """The stage's update written per parameter (``delays``: each parameter's delay given up, 0: SGD's own step
+    left to the optimizer): the reference of the multi-tensor step."""
+    beta = group["momentum"]
+    for param, delay in zip(params, delays):
+        if delay <= 0:
+            continue
+        fast = compressed_momentum(beta, delay)
+        k = (1 - fast) / (1 - beta)
+        d = param.grad.neg() if group["maximize"] else param.grad.clone()
+        if group["weight_decay"]:
+            d.add_(param, alpha=group["weight_decay"])
+        state = optimizer.state[param]
+        if state.get("momentum_buffer") is None:
+            state["momentum_buffer"] = d.mul(k)
+        else:
+            state["momentum_buffer"].mul_(fast).add_(d, alpha=k * (1 - group["dampening"]))
+        buf = state["momentum_buffer"]
+        param.data.add_(d.mul_(k).add_(buf, alpha=fast) if group["nesterov"] else buf, alpha=-group["lr"])
+        param.grad = None  # the optimizer's own step leaves it alone
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["plain", "wd", "nesterov", "dampening", "maximize"])
+def test_the_multi_tensor_step_is_bitwise_the_step_taken_one_parameter_at_a_time(settings):
+    """Parameters held back alike step together (torch's _foreach ops); held back at other densities, with a
+    buffer or starting one, the result is bit for bit the per-parameter arithmetic."""
+    model, twin = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, **settings)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, **settings)
+    stage = DelayedMomentumSGD(optimizer, model.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    densities = [0.01, 1 / 8, 0.01, None]  # 2.bias goes dense: SGD's own step, which starts its buffer
+    for step in range(3):
+        _grads(model, step), _grads(twin, step)
+        for name, density in zip(names, densities):
+            if density is None or (step == 0 and name == "0.bias"):  # 0.bias starts its buffer on a dense step
+                stage.dense([name], None, None)
+            else:
+                stage.after_compress([name], None, TopK(density), 0)
+        optimizer.step()
+        delays = [0.0 if d is None or (step == 0 and n == "0.bias") else delay_at(d) for n, d in zip(names, densities)]
+        _one_by_one(list(twin.parameters()), twin_opt, twin_opt.param_groups[0], delays)
+        twin_opt.step()  # the parameters the reference left to SGD's own step
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(optimizer.state[p]["momentum_buffer"], twin_opt.state[q]["momentum_buffer"])

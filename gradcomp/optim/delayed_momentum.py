@@ -139,35 +139,46 @@ class DelayedMomentumSGD:
     def before_optimizer_step(self) -> None:
         """The shortened-momentum update of every parameter compressed this step (before the optimizer's own
         step); mutates the parameter and its ``momentum_buffer`` and clears its ``grad`` until
-        :meth:`after_optimizer_step`."""
+        :meth:`after_optimizer_step`. Parameters of a param group held back alike step together, through
+        torch's multi-tensor ops (as torch's own SGD does): one call per operation, not per parameter."""
         compressed = {id(self.names[key]): density for key, density in self._compressed.items() if key in self.names}
         self._compressed.clear()
         self._cleared = []
+        delays = {density: delay_at(density, self.delay_steps) for density in set(compressed.values())}
         for group in self.optimizer.param_groups:
             beta = float(group["momentum"])
             if beta <= 0:
                 continue
+            alike: Dict[float, List[torch.nn.Parameter]] = {}
             for param in group["params"]:
-                delay = delay_at(compressed.get(id(param), 1.0), self.delay_steps)
-                if param.grad is None or delay <= 0:
-                    continue
+                delay = delays.get(compressed.get(id(param)), 0.0)
+                if param.grad is not None and delay > 0:
+                    alike.setdefault(delay, []).append(param)
+            for delay, params in alike.items():
                 fast = compressed_momentum(beta, delay)
-                self._step(param, group, fast, (1 - fast) / (1 - beta))
-                self._cleared.append((param, param.grad))
-                param.grad = None
+                self._step(params, group, fast, (1 - fast) / (1 - beta))
+                self._cleared += [(param, param.grad) for param in params]
+                for param in params:
+                    param.grad = None
 
-    def _step(self, param: torch.nn.Parameter, group: dict, fast: float, k: float) -> None:
-        d = param.grad.neg() if group.get("maximize") else param.grad.clone()
+    def _step(self, params: List[torch.nn.Parameter], group: dict, fast: float, k: float) -> None:
+        """One shortened-momentum step of ``params`` (their ``grad`` read, not mutated)."""
+        grads = [param.grad for param in params]
+        d = torch._foreach_neg(grads) if group.get("maximize") else grads
         if group["weight_decay"]:
-            d.add_(param, alpha=group["weight_decay"])
-        state = self.optimizer.state[param]
-        buf = state.get("momentum_buffer")
-        if buf is None:  # torch starts the buffer at the first gradient, undamped
-            buf = state["momentum_buffer"] = d.mul(k)
-        else:
-            buf.mul_(fast).add_(d, alpha=k * (1 - group["dampening"]))
-        step = d.mul_(k).add_(buf, alpha=fast) if group["nesterov"] else buf
-        param.add_(step, alpha=-float(group["lr"]))
+            d = torch._foreach_add(d, params, alpha=group["weight_decay"])
+        states = [self.optimizer.state[param] for param in params]
+        kept = [(state["momentum_buffer"], d_i) for state, d_i in zip(states, d)
+                if state.get("momentum_buffer") is not None]
+        if kept:
+            torch._foreach_mul_([buf for buf, _ in kept], fast)
+            torch._foreach_add_([buf for buf, _ in kept], [d_i for _, d_i in kept], alpha=k * (1 - group["dampening"]))
+        for state, d_i in zip(states, d):
+            if state.get("momentum_buffer") is None:  # torch starts the buffer at the first gradient, undamped
+                state["momentum_buffer"] = d_i.mul(k)
+        bufs = [state["momentum_buffer"] for state in states]
+        step = torch._foreach_add(torch._foreach_mul(d, k), bufs, alpha=fast) if group["nesterov"] else bufs
+        torch._foreach_add_(params, step, alpha=-float(group["lr"]))
 
     def after_optimizer_step(self) -> None:
         """Put back the gradients :meth:`before_optimizer_step` cleared (each ``param.grad`` is mutated)."""
