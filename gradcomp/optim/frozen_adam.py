@@ -1,47 +1,46 @@
 """Adam's stage of the recipe: a frozen variance, and compression in Adam's own units.
 
-The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrangement in place,
-with ``.grad`` keeping its meaning (the engine's ``after_average`` maps what was exchanged back to
-gradient units before the framework writes ``.grad``):
+The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrangement in place, with
+``.grad`` keeping its meaning (the engine's ``after_average`` maps what was exchanged back to gradient units):
 
-1. **Dense start** (the optimizer's first ``freeze_step`` steps): untouched, the user's own Adam on
-   densely averaged gradients; its second moment ``exp_avg_sq`` is estimated there.
+1. **Dense start** (the optimizer's first ``freeze_step`` steps): the user's own Adam on densely
+   averaged gradients, untouched; its second moment ``exp_avg_sq`` is estimated there.
 2. **Freeze**: at the first compressed step each parameter's denominator
-   ``d = max(sqrt(v_hat), floor * mean sqrt(v_hat)) + eps`` is computed once from the optimizer's
-   ``exp_avg_sq`` and kept in its state (``"frozen_denom"``, saved by ``optimizer.state_dict()``);
-   the floor keeps never-updated coordinates from turning into huge steps. A live variance would
-   see error feedback's bursts (a coordinate sent once in ``T`` steps carries ``T`` steps of
-   gradient) and shrink every step by about ``sqrt(T)``.
+   ``d = max(sqrt(v_hat), floor * mean sqrt(v_hat)) + eps`` is computed once from ``exp_avg_sq`` and
+   kept in the optimizer's state (``"frozen_denom"``); the floor keeps never-updated coordinates from
+   huge steps. A live variance would see error feedback's bursts (a coordinate sent once in ``T``
+   steps carries ``T`` steps of gradient) and shrink every step by about ``sqrt(T)``.
 3. **Compressed phase**: what ranks compress is divided by ``d`` (Adam's update units), so top-k
    picks the largest *updates* and a 2-bit level fits every coordinate whatever its scale; the
    average is multiplied back by ``d``. What is exchanged is the ``exchange`` setting:
 
    * ``"gradient"`` (quantizers): each rank's gradient, with error feedback. ``.grad`` holds the
-     average gradient; a step pre-hook runs Adam with the frozen variance on it
-     (``exp_avg`` the exponential average of ``.grad``, the same on every rank).
+     average gradient; the step keeps ``exp_avg`` its exponential average (the same on every rank).
    * ``"momentum"`` (sparsifiers): each rank's own first moment ``m_i = b1' m_i + (1 - b1') g_i``
-     (kept here, per rank, in :meth:`state_dict`), with error feedback. ``.grad`` holds the
-     average of the first moments -- an exponential average of the gradients, in gradient units --
-     and the step applies it as Adam's first moment (``exp_avg`` becomes it). A top-k coordinate
-     waits many steps in the residual; the momentum's own delay then passes during that wait
-     instead of after it (measured on charlm-small, AdamW, top-k 1%, 600 steps: +5.7% held-out
-     loss over dense exchanging the first moment, +11.6% exchanging the gradient). That wait is a
-     delay of its own, so ``b1'`` gives it up as SGD's stage does (:mod:`gradcomp.optim.delayed_momentum`):
-     ``b1' / (1 - b1') = b1 / (1 - b1) - delay_at(density)``, 0.9 becoming 0.8 at top-k 1 % (an
-     exponential average keeps its steady state whatever ``b1'``, so the step size is unchanged), for
-     every parameter of the group (:func:`~gradcomp.optim.delayed_momentum.held_back_density`).
+     (per rank, in :meth:`state_dict`), with error feedback. ``.grad`` holds the average of the first
+     moments (in gradient units) and ``exp_avg`` becomes it. A top-k coordinate waits many steps in
+     the residual; the momentum's own delay then passes during that wait instead of after it
+     (charlm-small, AdamW, top-k 1%, 600 steps: +5.7% held-out loss over dense, +11.6% exchanging the
+     gradient). The wait is a delay of its own, which ``b1'`` gives up as SGD's stage does
+     (:mod:`gradcomp.optim.delayed_momentum`): ``b1' / (1 - b1') = b1 / (1 - b1) - delay_at(density)``,
+     0.9 becoming 0.8 at top-k 1 %, the steady state unchanged.
 
-   The step pre-hook reads ``.grad`` as the user's loop left it (clipped, unscaled, ...), so
-   whatever the loop does to ``.grad`` acts on the update as it does without gradcomp; it applies
+   A step pre-hook reads ``.grad`` as the loop left it (clipped, unscaled, ...) and applies
    ``p -= lr * m / (1 - b1^t) / d`` (AdamW: after ``p *= 1 - lr * wd``; Adam: ``wd * p`` joins the
-   gradient), advances the optimizer's step count and clears ``.grad`` so that the optimizer's own
-   step leaves the parameter alone.
-
-4. **Stepping aside**: while a policy sends every group dense for a while (``Auto``, when a trial
+   gradient), advances the step count and clears ``.grad`` so that the optimizer's own step leaves
+   the parameter alone.
+4. **Bounded steps**: no frozen step moves a coordinate farther than the user's Adam itself could
+   (:func:`adam_step_bound` learning rates, 7.27 at betas 0.9/0.999). A variance frozen while the
+   gradients were small (a CNN's plateau before its features form) turns their later growth into
+   steps of hundreds of learning rates (shapes, AdamW, top-k: 30-70 % of the coordinates above 1, the
+   largest 100-1200; one seed of three diverged at step 91, bounded it ends at 0.997 accuracy; on the
+   transformers 1-9 % above 1, the largest 2-20). ``"momentum"``: the bound holds each step's share of
+   what a rank compresses (a coordinate held back ``T`` steps leaves with up to ``T`` bounds);
+   ``"gradient"``: the step itself.
+5. **Stepping aside**: while a policy sends every group dense for a while (``Auto``, when a trial
    measured compressed steps no faster), :meth:`~FrozenVarianceAdam.suspend` hands the parameters
-   back to the user's Adam, its variance live again and continuous with the frozen one, and
-   :meth:`~FrozenVarianceAdam.resume` freezes the variance again, at that step, when compression
-   comes back. A dense step then costs what it costs without gradcomp's stage.
+   back to the user's Adam, its variance live again and continuous with the frozen one;
+   :meth:`~FrozenVarianceAdam.resume` freezes it again at that step when compression comes back.
 
 Schedulers, a learning rate set by hand, param groups and ``optimizer.state_dict()`` keep working:
 the stage reads the optimizer at every call and keeps no copy of its settings. ``amsgrad`` and
@@ -98,6 +97,7 @@ class FrozenVarianceAdam:
         delay_steps: with ``exchange="momentum"``, the delay the first moment gives up on a step a sparsifier
             compresses at density 1 % (:data:`~gradcomp.optim.delayed_momentum.DELAY_STEPS`; 0: ``b1`` as it is).
         variance_floor: floor of a frozen ``sqrt(v_hat)`` as a fraction of the tensor's mean.
+        bounded: bound every frozen step by :func:`adam_step_bound` (the module docstring's point 4).
         step_hook: register :meth:`before_optimizer_step` as the optimizer's step pre-hook (DDP);
             in ``optimizer.step(closure)`` it runs after the closure (:mod:`gradcomp.optim.step_hook`).
             An integration whose ``step()`` first averages the gradients (Horovod's optimizer)
@@ -106,7 +106,7 @@ class FrozenVarianceAdam:
 
     def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], freeze_step: int,
                  exchange: str = "gradient", variance_floor: float = 0.1, step_hook: bool = True,
-                 delay_steps: float = DELAY_STEPS):
+                 delay_steps: float = DELAY_STEPS, bounded: bool = True):
         _check(optimizer, freeze_step, exchange, variance_floor)
         if not float(delay_steps) >= 0:
             raise ValueError(f"delay_steps must be >= 0, got {delay_steps!r}")
@@ -118,7 +118,7 @@ class FrozenVarianceAdam:
             raise ValueError(f"parameters {unmanaged[:5]} are not in the optimizer; the recipe needs every "
                              "parameter DDP averages to be stepped by it")
         self.freeze_step, self.exchange, self.variance_floor = freeze_step, exchange, float(variance_floor)
-        self.delay_steps = float(delay_steps) if exchange == "momentum" else 0.0
+        self.delay_steps, self.bounded = (float(delay_steps) if exchange == "momentum" else 0.0), bool(bounded)
         #: Stepped aside (:meth:`suspend`): the user's Adam runs as it is, its variance live again.
         self.suspended = False
         #: The optimizer step whose variance the denominators freeze (``None``: ``freeze_step``).
@@ -169,13 +169,10 @@ class FrozenVarianceAdam:
     def suspend(self) -> None:
         """Step aside: the user's Adam runs as it is, with a live variance, until :meth:`resume`.
 
-        A policy calls it between steps when every group goes dense for a while (``Auto`` after a
-        trial measured compression no faster): the frozen step's per-parameter work would only
-        slow dense steps. Call it after a step in which every group went dense, so that the residuals
-        (in update units) were flushed and ``exp_avg`` holds the averaged first moment. Mutates the
-        optimizer's state: ``"frozen_denom"`` is dropped and ``exp_avg_sq`` rescaled so that its
-        bias-corrected value, ``exp_avg_sq / (1 - beta2^t)``, is the frozen one: Adam's next
-        denominators continue from the frozen ones."""
+        A policy calls it between steps when every group went dense in the step just done (``Auto`` after
+        a trial measured compression no faster; the residuals were flushed, ``exp_avg`` holds the averaged
+        first moment). Mutates the optimizer's state: ``"frozen_denom"`` is dropped and ``exp_avg_sq``
+        rescaled so that Adam's next denominators, ``sqrt(exp_avg_sq / (1 - beta2^t))``, are the frozen ones."""
         if self.suspended:
             return
         groups = self._groups()
@@ -231,6 +228,9 @@ class FrozenVarianceAdam:
                 piece.copy_(torch.lerp(moment, piece, 1 - compressed_momentum(group["betas"][0], delay)))
                 pending.append((key, piece.clone(), moment))
             piece.div_(self._denom(param, group).reshape(-1))
+            if self.bounded and self.exchange == "momentum":
+                bound = adam_step_bound(group["betas"])
+                piece.clamp_(-bound, bound)
         self._pending[tuple(keys)] = pending
         return out
 
@@ -284,7 +284,11 @@ class FrozenVarianceAdam:
                 t = self._steps_done(param) + 1
                 if wd and _decoupled(optimizer, group):
                     param.mul_(1 - lr * wd)
-                param.addcdiv_(exp_avg, self._denom(param, group), value=-lr / (1 - beta1**t))
+                bias, denom, moment = 1 - beta1**t, self._denom(param, group), exp_avg
+                if self.bounded and self.exchange == "gradient":  # |m_hat / d| <= bound; bitwise m where it holds
+                    reach = denom * (adam_step_bound(group["betas"]) * bias)
+                    moment = torch.minimum(torch.maximum(exp_avg, -reach), reach)
+                param.addcdiv_(moment, denom, value=-lr / bias)
                 state["step"] += 1
                 self._cleared.append((param, param.grad))
                 param.grad = None
@@ -301,7 +305,7 @@ class FrozenVarianceAdam:
     def _recipe(self) -> dict:
         """The settings a checkpoint must have been saved with (the learning rate may change)."""
         return {"freeze_step": self.freeze_step, "exchange": self.exchange, "variance_floor": self.variance_floor,
-                "delay_steps": self.delay_steps}
+                "delay_steps": self.delay_steps, "bounded": self.bounded}
 
     def settings(self) -> dict:
         """Every setting that changes how a replica moves (the cross-rank check hashes them)."""
@@ -329,7 +333,8 @@ class FrozenVarianceAdam:
         saved = dict(state_dict)
         moments = saved.pop("moments", {})
         suspended, frozen_at = saved.pop("suspended", False), saved.pop("frozen_at", None)
-        saved.setdefault("delay_steps", self.delay_steps)  # saved before the setting existed: any run's fits
+        saved.setdefault("delay_steps", self.delay_steps)  # saved before these settings existed: any run's fits
+        saved.setdefault("bounded", self.bounded)
         if not isinstance(suspended, bool) or not (frozen_at is None or (type(frozen_at) is int and frozen_at >= 1)):
             raise ValueError(f"the checkpoint's FrozenVarianceAdam has suspended={suspended!r}, "
                              f"frozen_at={frozen_at!r}; expected a bool and None or a step >= 1")
@@ -362,6 +367,16 @@ class FrozenVarianceAdam:
 
     def __repr__(self) -> str:
         return f"FrozenVarianceAdam({type(self.optimizer).__name__}, {self._recipe()})"
+
+
+def adam_step_bound(betas) -> float:
+    """The farthest Adam moves a coordinate in a step, in learning rates, its bias corrections near 1: by
+    Cauchy-Schwarz over the two averages ``|m / sqrt(v)| <= (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))``, reached by
+    a gradient growing by ``b2 / b1`` a step (7.27 at betas 0.9/0.999, 1.16 at 0.9/0.95; ``inf`` if ``b1^2 >= b2``)."""
+    beta1, beta2 = (float(b) for b in betas)
+    if beta1 * beta1 >= beta2:
+        return math.inf
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
 
 
 def _check(optimizer, freeze_step, exchange, variance_floor) -> None:
