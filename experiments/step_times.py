@@ -7,7 +7,10 @@ same weights: ``noop`` (no communication: the compute floor), ``dense``, torch's
 (each replica is first trained through its dense start and ramp). Then, for ``--rounds`` rounds,
 for each link of ``--links`` (the link changes between them by ``tc qdisc replace`` on both ends
 of both ranks' links, no process restarts): ``--settle`` untimed steps of each method, then
-``--steps`` timed steps of every method in turn (one step of each, the order rotated every step).
+timed steps of every method in turn (one step of each, the order rotated every step): at least
+``--steps``, and on a link whose step is short as many as fill ``--round-seconds`` (counted from the
+first round's settle steps, the same on every rank and in every round): 6 steps of a 4 ms step spread
+the round medians of the study's MLP 13-64 %.
 A method's time on a link is the median over rounds of the per-round median step time (the slower
 rank's, step by step); its ``spread`` is the range of those round medians over their median. The
 machine's own speed drifts between rounds (on 2 shared cores the compute floor alone spread 20-33 %),
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -39,6 +43,8 @@ METHODS = ("noop", "dense", "fp16", "powersgd", "topk", "twobit", "auto")
 LINKS = ("unshaped", "10gbit", "1gbit", "100mbit", "10mbit")
 #: Methods whose replica is set up on each link it is timed on (a policy measures its link).
 PER_LINK = ("auto",)
+#: The most timed steps of a method in one round on one link (bounds a round whatever the estimate).
+MAX_ROUND_STEPS = 400
 #: Steps the recipes run before timing: through their dense start and ramp, to the final setting.
 PLANNED_STEPS = 40
 
@@ -127,6 +133,23 @@ def _interleaved(replicas, keys: Dict[str, tuple], counter, workload, loop, rank
     return seconds
 
 
+def round_steps(cycle_seconds: float, round_seconds: float, minimum: int) -> int:
+    """Timed steps per method in a round: enough cycles (one step of every method, ``cycle_seconds``)
+    to fill ``round_seconds``, at least ``minimum``, at most :data:`MAX_ROUND_STEPS`."""
+    wanted = math.ceil(round_seconds / cycle_seconds) if cycle_seconds > 0 else MAX_ROUND_STEPS
+    return max(minimum, min(wanted, MAX_ROUND_STEPS))
+
+
+def _agreed(count: int) -> int:
+    """The largest of every rank's ``count`` (the ranks step together, so they must agree)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
 def bench_rank(rank: int, world_size: int, args) -> None:
     """Rank ``rank`` of the benchmark (the process group from ``MASTER_ADDR``/``MASTER_PORT``); rank 0
     writes ``rounds.json`` (every rank's step times, per round) and ``policy_choices.json`` under ``args.out``.
@@ -155,10 +178,14 @@ def bench_rank(rank: int, world_size: int, args) -> None:
     replicas = {key: _replica(key[0], net, loop, run_steps) for key in keys}
     counter = {key: 0 for key in keys}
 
-    def steps(key, count):
-        for _ in range(count):
-            _step(replicas[key], workload, loop, rank, counter[key])
-            counter[key] += 1
+    def steps(key, count) -> float:
+        """Untimed steps of one replica; the seconds they took."""
+        return sum(untimed(key) for _ in range(count))
+
+    def untimed(key) -> float:
+        seconds = _step(replicas[key], workload, loop, rank, counter[key])
+        counter[key] += 1
+        return seconds
 
     for rate in [None] + links:  # through the dense start and the ramp, to the final setting
         _agree_on_link("unshaped" if rate is None else rate, rank)
@@ -166,13 +193,16 @@ def bench_rank(rank: int, world_size: int, args) -> None:
             steps(key, PLANNED_STEPS)
     times: Dict[tuple, List[List[float]]] = {}
     chosen: Dict[str, List[dict]] = {}
+    per_round: Dict[str, int] = {}  # timed steps per method on each link, fixed by the first round
     for _ in range(args.rounds):
         for rate in links:
             _agree_on_link(rate, rank)
             here = {m: (m, rate if m in PER_LINK else None) for m in methods}
-            for key in here.values():
-                steps(key, args.settle)
-            for method, seconds in _interleaved(replicas, here, counter, workload, loop, rank, args.steps).items():
+            cycle = sum(steps(key, args.settle) for key in here.values()) / max(args.settle, 1)
+            if rate not in per_round:
+                per_round[rate] = _agreed(round_steps(cycle, args.round_seconds, args.steps))
+            for method, seconds in _interleaved(replicas, here, counter, workload, loop, rank,
+                                                per_round[rate]).items():
                 times.setdefault((method, rate), []).append(seconds)
             for method, key in here.items():
                 if replicas[key][3] is not None and replicas[key][3].engine.policy is not None:
@@ -202,7 +232,7 @@ def summarize(gathered: List[dict], args, load_before) -> List[dict]:
         median = statistics.median(rounds)
         row = {"workload": args.workload, "optimizer": args.optimizer, "method": method, "link": link,
                "step_time": median, "spread": (max(rounds) - min(rounds)) / median, "rounds": rounds,
-               "steps_per_round": args.steps, "load_before": load_before}
+               "steps_per_round": len(per_round[0]), "load_before": load_before}
         dense = slower.get(f"dense|{link}")
         if dense is not None and method != "dense":
             ratios = [statistics.median(a / b for a, b in zip(mine, theirs)) for mine, theirs in zip(per_round, dense)]
@@ -224,6 +254,8 @@ def parse_args(argv=None):
     parser.add_argument("--links", default=",".join(LINKS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method, link and round")
+    parser.add_argument("--round-seconds", type=float, default=0.0, help="a round's timed steps on one link take "
+                        "about this long, all methods together (steps per method: at least --steps)")
     parser.add_argument("--settle", type=int, default=2, help="untimed steps after each link change")
     parser.add_argument("--run-steps", type=int, help="the run whose recipe is timed: its length decides the 2-bit "
                         "code (default: the convergence study's length of the workload)")

@@ -176,3 +176,13 @@ def test_with_several_seeds_each_seed_meets_its_own_dense_and_the_row_is_the_upp
     runs[-1] = run("twobit", [3.0, 1.9], [1.0, 0.1], 2)  # two seeds of three reach it: the upper median does
     (row,) = [r for r in tta.rows_for(runs, times) if r["method"] == "twobit"]
     assert row["time_ratio_vs_dense"] == pytest.approx(0.55) and row["steps_to_target"] == 2
+
+
+def test_rounds_on_a_short_step_run_as_many_steps_as_fill_the_round_and_never_fewer_than_asked():
+    from experiments import step_times
+
+    assert step_times.round_steps(0.020, 2.0, 6) == 100  # 4 methods of 5 ms: 100 cycles fill 2 s
+    assert step_times.round_steps(1.5, 2.0, 6) == 6  # a slow link keeps the minimum
+    assert step_times.round_steps(1e-6, 2.0, 6) == step_times.MAX_ROUND_STEPS
+    assert step_times.round_steps(0.0, 2.0, 6) == step_times.MAX_ROUND_STEPS
+    assert step_times.round_steps(0.020, 0.0, 6) == 6  # no round time asked: the fixed count
