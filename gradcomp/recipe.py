@@ -31,8 +31,9 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   -1.4/+4.7% (before: -2.4/+18.2/-20.3/-1.6/+4.4%; seeds 1 and 2 jump early, dense on seed 2 too).
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
   of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
-  the run (Adam's second moment is estimated there, then frozen; a loop that sets the rate by hand
-  hides its warm-up), as far as the byte budget allows: compression that starts inside the warm-up
+  the run, :data:`ADAM_DENSE_FRACTION` under Adam (its second moment is estimated there, then frozen;
+  a loop that sets the rate by hand hides its warm-up), as far as the byte budget allows: compression
+  that starts inside the warm-up
   stores the large early gradients and releases them late, but the budget is the user's promise,
   so a warm-up too long for it is cut short, with a notice.
 * **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
@@ -76,14 +77,22 @@ from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
 from gradcomp.schedule import DenseWarmup, PlannedSchedule, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
-__all__ = ["Plan", "plan", "code", "DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION", "RESIDUAL_DECAY",
-           "PlannedSchedule"]
+__all__ = ["Plan", "plan", "code", "DENSE_FRACTION", "ADAM_DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION",
+           "RESIDUAL_DECAY", "PlannedSchedule"]
 
 #: The share of the run that starts dense when the LR warm-up is shorter or unknown, as long as the
 #: byte budget allows it (2-bit's code costs 7.8% of dense, which leaves about 4% of the run for an
-#: 8x budget). PowerSGD starts compressing after about 10% of the steps, 1-bit Adam after the
-#: warm-up; measured on charlm-small (AdamW, 2-bit): a 3% and a 5% dense start ended alike.
+#: 8x budget): measured on charlm-small (AdamW, 2-bit), a 3% and a 5% dense start ended alike; under
+#: SGD-momentum top-k's longer start (8%, its ramp then shorter) ended worse on both transformers and
+#: the GRU (seed 0: charlm-small +6.8% against +4.1%, the GPT +5.2% against +4.2%, proselm +1.1%
+#: against +0.8%).
 DENSE_FRACTION = 0.05
+#: The same under Adam, whose dense start is also the window its variance is estimated in before the
+#: freeze: PowerSGD starts compressing after about 10% of the steps, 1-bit Adam freezes after a
+#: warm-up of 15-25%. The budget caps it (top-k's ramp leaves about 8%). Measured, AdamW top-k, seed 0:
+#: a CNN whose variance froze on its first plateau (5%) diverged (accuracy 0.110) and reached 0.998 at
+#: 8%; proselm +0.7% against +1.5%; charlm-small and the GPT alike (+0.8% / -1.7% against +0.5% / -2.2%).
+ADAM_DENSE_FRACTION = 0.1
 #: The share of the steps after the dense start that the sparsity ramp takes: at least the first,
 #: at most the second; between them the byte budget decides (over 2000 steps it asks for 0.49).
 RAMP_MIN_FRACTION = 0.4
@@ -216,9 +225,14 @@ def _schedule(compressor, total_steps: int, dense_steps: int, budget: float, den
     return schedule, total_steps / sent
 
 
+def _dense_fraction(optimizer) -> float:
+    """The share of the run the dense start asks for under ``optimizer`` (:data:`ADAM_DENSE_FRACTION`)."""
+    return ADAM_DENSE_FRACTION if isinstance(optimizer, torch.optim.Adam) else DENSE_FRACTION
+
+
 def _dense_start(compressor, total_steps: int, scheduler, budget: float, dense: float,
-                 notes: list) -> int:
-    """The dense start: the LR warm-up's end and at least :data:`DENSE_FRACTION` of the run, as far as
+                 notes: list, fraction: float = DENSE_FRACTION) -> int:
+    """The dense start: the LR warm-up's end and at least ``fraction`` of the run, as far as
     the byte budget allows: what is left of it once every later step sends the final setting and, for
     top-k, once the sparsity ramp has its shortest length from its sparsest start (without that share a
     run whose warm-up is long next to its length spent the whole budget on dense steps and then ran a
@@ -233,7 +247,7 @@ def _dense_start(compressor, total_steps: int, scheduler, budget: float, dense: 
         while affordable > 2 and not _ramp_from(RAMP_STARTS[-1], compressor, total_steps, affordable, budget,
                                                  dense)[2]:
             affordable -= 1
-    wanted = max(warmup_end, math.ceil(DENSE_FRACTION * total_steps))
+    wanted = max(warmup_end, math.ceil(fraction * total_steps))
     if warmup_end > affordable:
         notes.append(f"the LR warm-up ends at step {warmup_end}, but the byte budget affords {max(2, affordable)} "
                      "dense steps: compression starts inside the warm-up")
@@ -274,7 +288,8 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
                     "no error feedback (a cast)", notes=("casts need no recipe",))
     budget = min_compression or MIN_COMPRESSION[family]
     notes = []
-    dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, dense, notes)
+    dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, dense, notes,
+                               _dense_fraction(optimizer))
     schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget, dense)
     if expected * 1.001 < budget:
         notes.append(f"the dense start ({dense_steps} steps) and the ramp of this {total_steps}-step run leave "
@@ -307,8 +322,8 @@ def code(compressor, optimizer=None, total_steps: int = 1, scheduler=None, dense
     if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
         if isinstance(optimizer, torch.optim.Adam):  # SGD has no variance to estimate: 3-bit whatever the start
             budget = 1 / (min_compression or MIN_COMPRESSION["threebit"])
-            steps = _dense_start(finer, total_steps, scheduler, budget, dense, [])
-            ternary_steps = _dense_start(ternary, total_steps, scheduler, budget, dense, [])
+            steps = _dense_start(finer, total_steps, scheduler, budget, dense, [], ADAM_DENSE_FRACTION)
+            ternary_steps = _dense_start(ternary, total_steps, scheduler, budget, dense, [], ADAM_DENSE_FRACTION)
         if isinstance(optimizer, torch.optim.SGD) or steps >= min(MIN_STEADY_FREEZE, ternary_steps):
             notice(f"recipe: under {name} 2-bit runs as ThreeBit(), seven levels with a scale per 128 elements, in "
                    "the same byte budget (measured: SGD-momentum, 600 steps, a GPT +13.6-16.1% above dense with "
