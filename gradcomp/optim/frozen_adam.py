@@ -387,7 +387,8 @@ def _check(optimizer, freeze_step, exchange, variance_floor) -> None:
     if freeze_step < MIN_STEADY_FREEZE:
         warnings.warn(f"gradcomp: freezing Adam's variance after {freeze_step} steps fixes a second moment "
                       f"estimated from {freeze_step} gradients; freeze after the LR warm-up (the one-call recipe "
-                      "uses 5% of the run at least), or the frozen denominators may be far off")
+                      "asks 10% of the run under Adam, as far as the byte budget allows), or the frozen "
+                      "denominators may be far off")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     if not 0.0 <= variance_floor <= 1.0:
