@@ -64,3 +64,12 @@ def test_table_and_plots_are_written(quick_study):
     assert (out / "charlm-tiny_sgdm_loss_vs_step.png").stat().st_size > 1000
     # time on a link is plotted by experiments.time_to_accuracy, not by the step-count study
     assert not (out / "charlm-tiny_sgdm_loss_vs_time.png").exists()
+
+
+def test_a_committed_row_is_current_only_when_every_evaluation_is_bitwise_the_new_runs():
+    from experiments.check_rows import compare
+
+    row = {"evals": [[19, 0.5, 2.25], [39, 1.0, 2.0]]}
+    assert compare(row, {"evals": [[19, 0.7, 2.25], [39, 1.3, 2.0]]}) == "current"  # times may differ
+    assert compare(row, {"evals": [[19, 0.5, 2.25], [39, 1.0, 2.0000001]]}).startswith("stale from step 39")
+    assert compare(row, {"evals": [[19, 0.5, 2.25]]}).startswith("stale: 2 evaluations committed, 1 now")
