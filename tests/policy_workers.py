@@ -87,7 +87,7 @@ def auto_recipe_worker(rank, world_size, step_s_by_rank, steps, total_steps):
     optimizer.register_step_pre_hook(lambda *_: cleared.append(len(stage._cleared)))
     suspended = []
     result = train(model, optimizer, state, rank, steps, after_step=lambda: suspended.append(stage.suspended))
-    return {**result, "suspended": suspended, "cleared": cleared,
+    return {**result, "suspended": suspended, "cleared": cleared, "dense_steps": state.recipe.dense_steps,
             "frozen_denoms": sum("frozen_denom" in optimizer.state[p] for p in model.parameters())}
 
 

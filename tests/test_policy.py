@@ -167,9 +167,12 @@ def test_while_every_group_goes_dense_the_recipes_adam_stage_steps_aside(tmp_pat
         compressed = [i for i, m in enumerate(modes) if any(mode != "dense" for mode in m.values())]
         assert compressed, modes  # the trial's compressed arm ran, with the stage at work
         assert all(cleared[i] == 6 for i in compressed), (compressed, cleared)
-        # In the trial the stage steps aside for each timed dense step, after a flush step through it.
-        assert compressed == [2, 5, 8] and [suspended[i] for i in (3, 4, 5)] == [False, True, False], suspended
-        assert [cleared[i] for i in (3, 4)] == [6, 0], cleared
+        # The trial starts at the recipe's dense start's end; it steps aside for each timed dense step,
+        # after a flush step through it.
+        start = result["dense_steps"]
+        assert compressed == [start, start + 3, start + 6], (start, compressed)
+        assert [suspended[i] for i in range(start + 1, start + 4)] == [False, True, False], suspended
+        assert [cleared[i] for i in (start + 1, start + 2)] == [6, 0], cleared
         # The first all-dense step after the verdict flushes the residuals through the stage; the
         # next step starts with it suspended, and from then on AdamW steps every parameter itself.
         verdict = compressed[-1] + 1
