@@ -180,11 +180,10 @@ def bench_rank(rank: int, world_size: int, args) -> None:
 
     def steps(key, count) -> float:
         """Untimed steps of one replica; the seconds they took."""
-        return sum(untimed(key) for _ in range(count))
-
-    def untimed(key) -> float:
-        seconds = _step(replicas[key], workload, loop, rank, counter[key])
-        counter[key] += 1
+        seconds = 0.0
+        for _ in range(count):
+            seconds += _step(replicas[key], workload, loop, rank, counter[key])
+            counter[key] += 1
         return seconds
 
     for rate in [None] + links:  # through the dense start and the ramp, to the final setting
@@ -207,16 +206,22 @@ def bench_rank(rank: int, world_size: int, args) -> None:
             for method, key in here.items():
                 if replicas[key][3] is not None and replicas[key][3].engine.policy is not None:
                     chosen.setdefault(f"{method}|{rate}", []).append(_policy_summary(replicas[key]))
+    _write_rounds(times, chosen, rank, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _write_rounds(times: Dict[tuple, List[List[float]]], chosen: Dict[str, List[dict]], rank: int, out: str) -> None:
+    """Every rank's step times (``(method, link)`` -> per round, per step) gathered; rank 0 writes them
+    to ``out/rounds.json`` and its policy choices to ``out/policy_choices.json``."""
     from gradcomp import inflight
 
     gathered = inflight.all_gather_object({f"{m}|{r}": v for (m, r), v in times.items()})
     if rank == 0:
-        with open(os.path.join(args.out, "rounds.json"), "w") as f:
+        with open(os.path.join(out, "rounds.json"), "w") as f:
             json.dump(gathered, f)
-        with open(os.path.join(args.out, "policy_choices.json"), "w") as f:
+        with open(os.path.join(out, "policy_choices.json"), "w") as f:
             json.dump(chosen, f, indent=1)  # rank 0's; every rank computes the same choices
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def summarize(gathered: List[dict], args, load_before) -> List[dict]:
