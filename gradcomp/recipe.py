@@ -33,9 +33,8 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
   the run, :data:`ADAM_DENSE_FRACTION` under Adam (its second moment is estimated there, then frozen;
   a loop that sets the rate by hand hides its warm-up), as far as the byte budget allows: compression
-  that starts inside the warm-up
-  stores the large early gradients and releases them late, but the budget is the user's promise,
-  so a warm-up too long for it is cut short, with a notice.
+  that starts inside the warm-up stores the large early gradients and releases them late, but the
+  budget is the user's promise, so a warm-up too long for it is cut short, with a notice.
 * **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
   affords down to the density asked, each stage as long as the byte budget (``min_compression`` x fewer
   bytes than dense over the whole run) allows, over :data:`RAMP_MIN_FRACTION` to :data:`RAMP_FRACTION`
@@ -231,7 +230,7 @@ def _dense_fraction(optimizer) -> float:
 
 
 def _dense_start(compressor, total_steps: int, scheduler, budget: float, dense: float,
-                 notes: list, fraction: float = DENSE_FRACTION) -> int:
+                 notes: list, fraction: float) -> int:
     """The dense start: the LR warm-up's end and at least ``fraction`` of the run, as far as
     the byte budget allows: what is left of it once every later step sends the final setting and, for
     top-k, once the sparsity ramp has its shortest length from its sparsest start (without that share a
