@@ -29,8 +29,8 @@ Modes:
     (the 0.4M-parameter transformer, AdamW) on four links, in three parts written under ``--out``:
 
     * ``convergence/``: 200 steps of dense, gradcomp's ``topk`` and ``twobit`` recipes (the
-      in-process simulation of the 2 ranks, :mod:`experiments.simrun`) and torch's PowerSGD hook
-      (real DDP): held-out loss every 2% of the run (:mod:`experiments.convergence`);
+      in-process simulation of the 2 ranks, :mod:`experiments.simrun`) and torch's fp16 and PowerSGD
+      hooks (real DDP): held-out loss every 2% of the run (:mod:`experiments.convergence`);
     * ``step_times/``: every method's step time on the unshaped loopback, 1 Gbit/s, 100 Mbit/s and
       10 Mbit/s from one launch of the ranks in interleaved rounds (:mod:`experiments.step_times`);
     * ``time_to_accuracy/``: steps to dense's final loss x 1.02 times the step time, over dense's
@@ -307,7 +307,7 @@ def quick(args) -> int:
     env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     steps = [
         ["experiments.convergence", "--out", os.path.join(out, "convergence"), "--workloads", "charlm-small",
-         "--optimizers", "adamw", "--steps", str(args.steps or QUICK_STEPS), "--methods", "dense,topk,twobit,powersgd",
+         "--optimizers", "adamw", "--steps", str(args.steps or QUICK_STEPS), "--methods", "dense,topk,twobit,fp16,powersgd",
          "--link", "unshaped"],
         ["experiments.step_times", "--workload", "charlm-small", "--optimizer", "adamw", "--links",
          args.links or ",".join(QUICK_LINKS), "--rounds", str(QUICK_ROUNDS), "--steps", str(QUICK_TIMED_STEPS),
