@@ -307,8 +307,8 @@ def quick(args) -> int:
     env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     steps = [
         ["experiments.convergence", "--out", os.path.join(out, "convergence"), "--workloads", "charlm-small",
-         "--optimizers", "adamw", "--steps", str(args.steps or QUICK_STEPS), "--methods", "dense,topk,twobit,fp16,powersgd",
-         "--link", "unshaped"],
+         "--optimizers", "adamw", "--steps", str(args.steps or QUICK_STEPS),
+         "--methods", "dense,topk,twobit,fp16,powersgd", "--link", "unshaped"],
         ["experiments.step_times", "--workload", "charlm-small", "--optimizer", "adamw", "--links",
          args.links or ",".join(QUICK_LINKS), "--rounds", str(QUICK_ROUNDS), "--steps", str(QUICK_TIMED_STEPS),
          "--run-steps", str(args.steps or QUICK_STEPS), "--out", os.path.join(out, "step_times")],
