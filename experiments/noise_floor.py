@@ -20,14 +20,10 @@ import multiprocessing as mp
 import os
 import statistics
 import time
-from typing import List
+
+from experiments.step_times import spread
 
 __all__ = ["main", "spread"]
-
-
-def spread(medians: List[float]) -> float:
-    """The range of ``medians`` over their median (``experiments.step_times``' ``spread``)."""
-    return (max(medians) - min(medians)) / statistics.median(medians)
 
 
 def _time_rounds(proc: int, args, start_at: float, queue) -> None:

@@ -37,7 +37,7 @@ import subprocess
 import sys
 from typing import Dict, List
 
-__all__ = ["main", "summarize"]
+__all__ = ["main", "summarize", "spread"]
 
 METHODS = ("noop", "dense", "fp16", "powersgd", "topk", "twobit", "auto")
 LINKS = ("unshaped", "10gbit", "1gbit", "100mbit", "10mbit")
@@ -224,6 +224,11 @@ def _write_rounds(times: Dict[tuple, List[List[float]]], chosen: Dict[str, List[
             json.dump(chosen, f, indent=1)  # rank 0's; every rank computes the same choices
 
 
+def spread(values: List[float]) -> float:
+    """The range of ``values`` (round medians, or per-round ratios) over their median."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
 def summarize(gathered: List[dict], args, load_before) -> List[dict]:
     """Rows: per method and link, the median over rounds of the round medians of the slower rank's step
     times, and against dense on the same link the median over rounds of the per-round median of the
@@ -236,13 +241,13 @@ def summarize(gathered: List[dict], args, load_before) -> List[dict]:
         rounds = [statistics.median(steps) for steps in per_round]
         median = statistics.median(rounds)
         row = {"workload": args.workload, "optimizer": args.optimizer, "method": method, "link": link,
-               "step_time": median, "spread": (max(rounds) - min(rounds)) / median, "rounds": rounds,
+               "step_time": median, "spread": spread(rounds), "rounds": rounds,
                "steps_per_round": len(per_round[0]), "load_before": load_before}
         dense = slower.get(f"dense|{link}")
         if dense is not None and method != "dense":
             ratios = [statistics.median(a / b for a, b in zip(mine, theirs)) for mine, theirs in zip(per_round, dense)]
             ratio = statistics.median(ratios)
-            row.update(ratio_vs_dense=ratio, ratio_spread=(max(ratios) - min(ratios)) / ratio, ratio_rounds=ratios)
+            row.update(ratio_vs_dense=ratio, ratio_spread=spread(ratios), ratio_rounds=ratios)
         rows.append(row)
     floor = {r["link"]: r["step_time"] for r in rows if r["method"] == "noop"}
     for row in rows:
