@@ -4,13 +4,13 @@ One launch of 2 ranks (DDP over Gloo, one thread each, a full-duplex emulated li
 namespace per rank, ``netem.link(mode="duplex")``) holds one DDP replica per method, all from the
 same weights: ``noop`` (no communication: the compute floor), ``dense``, torch's ``fp16`` and
 ``powersgd`` hooks, and gradcomp's ``topk``/``twobit`` recipes and ``auto`` at their final setting
-(each replica is first trained through its dense start and ramp). Then, for ``--rounds`` rounds,
-for each link of ``--links`` (the link changes between them by ``tc qdisc replace`` on both ends
-of both ranks' links, no process restarts): ``--settle`` untimed steps of each method, then
-timed steps of every method in turn (one step of each, the order rotated every step): at least
-``--steps``, and on a link whose step is short as many as fill ``--round-seconds`` (counted from the
-first round's settle steps, the same on every rank and in every round): 6 steps of a 4 ms step spread
-the round medians of the study's MLP 13-64 %.
+(each replica is first trained through its dense start and ramp, ``auto`` also through its trials).
+Then, for ``--rounds`` rounds, for each link of ``--links`` (the link changes between them by
+``tc qdisc replace`` on both ends of both ranks' links, no process restarts): ``--settle`` untimed steps
+of each method, then timed steps of every method in turn (one step of each, the order rotated every
+step): at least ``--steps``, and on a link whose step is short as many as fill ``--round-seconds``
+(counted from the first round's settle steps, the same on every rank and in every round): 6 steps of
+a 4 ms step spread the round medians of the study's MLP 13-64 %.
 A method's time on a link is the median over rounds of the per-round median step time (the slower
 rank's, step by step); its ``spread`` is the range of those round medians over their median. The
 machine's own speed drifts between rounds (on 2 shared cores the compute floor alone spread 20-33 %),
@@ -47,6 +47,9 @@ PER_LINK = ("auto",)
 MAX_ROUND_STEPS = 400
 #: Steps the recipes run before timing: through their dense start and ramp, to the final setting.
 PLANNED_STEPS = 40
+#: The most untimed steps after those while a policy still runs trials (each of its three candidates
+#: may take one: 3 x 8 cycles of 3 steps, and a step between them).
+MAX_DECIDING_STEPS = 80
 
 
 def _set_link(rate: str) -> None:
@@ -98,7 +101,7 @@ def _replica(method: str, net, loop, run_steps: int):
 
 def _policy_summary(replica) -> dict:
     """What a replica's policy chose (``{}`` without one): the link it fitted and, per choice, how
-    many groups took it and their elements."""
+    many groups took it and their elements, its last trial and the candidates trials rejected."""
     policy = replica[3].stats().get("policy") if replica[3] is not None else None
     if not policy:
         return {}
@@ -106,7 +109,8 @@ def _policy_summary(replica) -> dict:
     for decision in policy["groups"].values():
         groups, numel = chosen.get(decision["choice"], [0, 0])
         chosen[decision["choice"]] = [groups + 1, numel + decision["numel"]]
-    return {"link": policy["link"], "groups_and_elements": chosen, "trial": policy["trial"]}
+    return {"link": policy["link"], "groups_and_elements": chosen, "trial": policy["trial"],
+            "rejected": policy["rejected"]}
 
 
 def _step(replica, workload, loop, rank: int, step: int) -> float:
@@ -186,10 +190,10 @@ def bench_rank(rank: int, world_size: int, args) -> None:
             counter[key] += 1
         return seconds
 
-    for rate in [None] + links:  # through the dense start and the ramp, to the final setting
+    for rate in [None] + links:
         _agree_on_link("unshaped" if rate is None else rate, rank)
         for key in (k for k in keys if k[1] == rate):
-            steps(key, PLANNED_STEPS)
+            _to_final_setting(replicas[key], lambda count: steps(key, count))
     times: Dict[tuple, List[List[float]]] = {}
     chosen: Dict[str, List[dict]] = {}
     per_round: Dict[str, int] = {}  # timed steps per method on each link, fixed by the first round
@@ -209,6 +213,16 @@ def bench_rank(rank: int, world_size: int, args) -> None:
     _write_rounds(times, chosen, rank, args.out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _to_final_setting(replica, steps) -> None:
+    """Untimed steps (``steps(count)``) through a recipe's dense start and ramp, and a policy's trials."""
+    steps(PLANNED_STEPS)
+    policy = replica[3].engine.policy if replica[3] is not None else None
+    for _ in range(MAX_DECIDING_STEPS):
+        if policy is None or not policy.deciding:  # the same on every rank: its verdicts are shared
+            return
+        steps(1)
 
 
 def _write_rounds(times: Dict[tuple, List[List[float]]], chosen: Dict[str, List[dict]], rank: int, out: str) -> None:

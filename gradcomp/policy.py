@@ -13,11 +13,15 @@ chosen. Every rank computes the choice from the same gathered integers, so all r
 
 A prediction is not a measurement: a choice that compresses anything is then kept only if whole
 steps with it are measured ``dense_margin`` faster than dense steps taken in turn with them
-(:mod:`gradcomp.step_trial`, ``trial_steps`` pairs); otherwise every group goes dense until the link is found to have
-changed. On the unshaped loopback of a 2-core machine the model predicted fp16 and top-k faster
-(the wire was), and the steps were slower (the CPU that Gloo shares with backward was not). While
-every group goes dense, an optimizer stage that can step aside (the recipe's frozen-variance Adam)
-does, from the next step on, so that those steps cost what dense training's do.
+(:mod:`gradcomp.step_trial`, ``trial_steps`` pairs). A choice the steps measure no faster takes the
+compressors it used out of the running, and after one dense step (it flushes the residuals) every group
+is decided again from the candidates left, with a trial of its own; with none left every group goes
+dense until the link is found to have changed. On the unshaped loopback of a 2-core machine the model
+predicted fp16 and top-k faster (the wire was), and the steps were slower (the CPU that Gloo shares
+with backward was not); at 1 Gbit/s top-k's steps were slower than dense's and fp16's faster.
+While every group goes dense or through a cast (fp16: no error feedback, nothing held back), an
+optimizer stage that can step aside (the recipe's frozen-variance Adam) does, from the next step on,
+so that those steps cost what dense training's (or torch's fp16 hook's) do.
 
 Re-decisions: a group first seen later (DDP rebuilt its buckets) is decided when it first appears;
 every ``recheck_every`` steps the ranks share how measured exchange times compare with the
@@ -118,7 +122,9 @@ class Auto:
         self.measurement_hook = measurement_hook
         self.trial_steps = int(trial_steps)
         self._trial = StepTrial(self.trial_steps, dense_margin)
-        self._measured_dense = False  # the last trial found the steps with compression no faster
+        self._measured_dense = False  # no candidate is left: every trial found its steps no faster
+        self._rejected: set = set()  # specs of the choices trials found no faster (until the link changes)
+        self._retry_at: Optional[int] = None  # the step at which the candidates left are decided
         self.link: Optional[costmodel.Link] = None
         self.decisions: Dict[Hashable, dict] = {}
         self._chosen: Dict[Hashable, Optional[Compressor]] = {}
@@ -156,7 +162,7 @@ class Auto:
                 # The family the cost model picked, at the setting the schedule gives this step (a
                 # ramp's density): the choice then runs that compressor's recipe.
                 chosen = base
-        if chosen is not None and getattr(engine.transform, "suspended", False):
+        if chosen is not None and chosen.uses_error_feedback and getattr(engine.transform, "suspended", False):
             chosen = None  # a suspended stage resumes between steps (the next), never inside one
         self._launched[group] = time.perf_counter()
         return chosen
@@ -167,31 +173,51 @@ class Auto:
         standing choice is dense, and on a trial's timed dense steps, and comes back once neither holds
         (or nothing is decided yet). Its work around an exchange serves compression only, and would make
         the dense steps slower than dense training. The previous step, all dense, flushed the residuals in
-        the stage's units first (a trial's flush step, or the step the verdict went dense)."""
+        the stage's units first (a trial's flush step, or the step the verdict went dense). A cast (fp16)
+        holds nothing back: it needs the stage no more than dense does."""
         if stage is None or not callable(getattr(stage, "suspend", None)):
             return
-        dense = self._all_dense() or self._trial.suspends_stage(self._step_seen)  # or the trial's timed dense arm
-        if dense and not stage.suspended:
+        idle = self._all_dense(casts=True) or self._trial.suspends_stage(self._step_seen)  # or the timed dense arm
+        if idle and not stage.suspended:
             stage.suspend()
-        elif not dense and stage.suspended:
+        elif not idle and stage.suspended:
             stage.resume()
 
-    def _all_dense(self) -> bool:
-        """Whether every group's standing choice is dense (``False`` while nothing is decided)."""
-        return bool(self._chosen) and all(choice is None for choice in self._chosen.values())
+    def _all_dense(self, casts: bool = False) -> bool:
+        """Whether every group's standing choice is dense (``casts``: or a compressor without error
+        feedback); ``False`` while nothing is decided."""
+        return bool(self._chosen) and all(choice is None or (casts and not choice.uses_error_feedback)
+                                          for choice in self._chosen.values())
 
     def _between_steps(self, engine) -> None:
         """The checks due at a step's first group (collectives at the same step on every rank)."""
         if self.recheck_every and engine.step - self._last_check >= self.recheck_every:
             self._recheck(engine)
+        if self._retry_at == engine.step:  # the step after the verdict flushed the residuals: decide again
+            self._retry_at, self._measured_dense = None, False
+            self._forget_decisions()
         if self._trial.due(engine.step) and not self._trial.judge(lambda v: _slowest(self._gather(engine, v))):
-            logger.info("gradcomp.Auto: steps with compression took %.4gx the dense steps taken in turn with them "
-                        "(median %.4g s against %.4g s); every group goes dense", self._trial.verdict["paired_ratio"],
-                        self._trial.verdict["compressed_step_s"], self._trial.verdict["dense_step_s"])
+            self._rejected.update(c.spec for c in self._chosen.values() if c is not None)
+            left = [c.spec for c in self.candidates if c.spec not in self._rejected]
+            logger.info("gradcomp.Auto: steps with %s took %.4gx the dense steps taken in turn with them (median "
+                        "%.4g s against %.4g s); every group goes dense%s", sorted(self._rejected),
+                        self._trial.verdict["paired_ratio"], self._trial.verdict["compressed_step_s"],
+                        self._trial.verdict["dense_step_s"], f", then tries {left}" if left else "")
+            # This step goes dense (it flushes what the residuals hold); the next decides from what is left.
             self._measured_dense = True
-            self._chosen.clear()
-            self.decisions.clear()
-            self._ratios.clear()  # they measured the decisions just dropped
+            self._retry_at = engine.step + 1 if left else None
+            self._forget_decisions()
+
+    def _forget_decisions(self) -> None:
+        """Drop every group's choice (each is decided again at its next ``choose``)."""
+        self._chosen.clear()
+        self.decisions.clear()
+        self._ratios.clear()  # they measured the decisions just dropped
+
+    @property
+    def deciding(self) -> bool:
+        """Whether a trial is running or the candidates left are still to be decided (the same on every rank)."""
+        return self._trial.running or self._retry_at is not None
 
     def finished(self, handle) -> None:
         """Called by ``Engine.finish`` first thing, when ``handle``'s collective has completed."""
@@ -219,10 +245,12 @@ class Auto:
     def stats(self) -> dict:
         """``{"link": {"latency_s", "bandwidth_Bps"} or None, "groups": {group: {"choice", "mode",
         "numel", "predicted_s": {choice: s}, "predicted_comm_s", "measured_s"}}, "trial":
-        {"dense_step_s", "compressed_step_s", "kept"} or None}`` (the last measured trial)."""
+        {"dense_step_s", "compressed_step_s", "kept"} or None, "rejected": [spec]}`` (the last measured
+        trial, and the candidates trials found no faster on this link)."""
         link = None if self.link is None else {"latency_s": self.link.latency_s, "bandwidth_Bps": self.link.bandwidth}
         return {"link": link, "groups": {g: dict(d) for g, d in self.decisions.items()},
-                "trial": None if self._trial.verdict is None else dict(self._trial.verdict)}
+                "trial": None if self._trial.verdict is None else dict(self._trial.verdict),
+                "rejected": sorted(self._rejected)}
 
     def settings(self) -> dict:
         """Every setting that changes what ranks choose (plain values; the cross-rank check hashes
@@ -318,7 +346,7 @@ class Auto:
 
     def _decide(self, engine, group: Hashable, numel: int, dtype, device) -> None:
         exchanges = {c.spec: engine.exchange_for(c, numel, dtype, device) for c in self.candidates}
-        usable = [c for c in self.candidates if not exchanges[c.spec].sends_gradient]
+        usable = [c for c in self.candidates if not exchanges[c.spec].sends_gradient and c.spec not in self._rejected]
         missing = [c for c in usable if (c.spec, numel) not in self._kernels]
         if missing:
             local = [self._hooked(f"kernel:{c.spec}", group, self._kernel_seconds(engine, c, numel, dtype, device))
@@ -365,7 +393,6 @@ class Auto:
             return
         logger.info("gradcomp.Auto: exchanges take %.2fx the predicted time; deciding again", ratio)
         self.link = costmodel.Link(self.link.latency_s * ratio, self.link.bandwidth / ratio)
-        self._chosen.clear()
-        self.decisions.clear()
-        self._measured_dense = False
+        self._forget_decisions()
+        self._measured_dense, self._rejected, self._retry_at = False, set(), None  # trials measured the old link
         self._trial.restart(engine.step)

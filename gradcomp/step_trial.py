@@ -75,6 +75,11 @@ class StepTrial:
             return None
         return CYCLE[(step - self._first) % len(CYCLE)]
 
+    @property
+    def running(self) -> bool:
+        """Whether a trial has begun and not been judged."""
+        return self._first is not None
+
     def forces_dense(self, step: int) -> bool:
         """Whether this step is one of the trial's dense ones."""
         return self.arm(step) in ("flush", "uncompressed")

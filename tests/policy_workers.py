@@ -4,7 +4,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.hooks import ddp as gc_ddp
-from gradcomp.policy import Auto
+from gradcomp.policy import DEFAULT_CANDIDATES, Auto
 
 WARMUP = 2
 
@@ -15,10 +15,12 @@ def make_model(seed=0):
                                torch.nn.ReLU(), torch.nn.Linear(128, 10))
 
 
-def link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank=None, exchange_s=None):
+def link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank=None, exchange_s=None, trial_steps=2):
     """A measurement hook that gives each rank its own (injected) link time and scaled kernel times;
-    with ``step_s_by_rank`` (``[{"uncompressed": s, "compressed": s}]`` per rank) its whole steps' times too,
+    with ``step_s_by_rank`` (``[{"uncompressed": s, "compressed": s}]`` per rank) its whole steps' times too
+    (a list of seconds: one per trial, of ``trial_steps`` steps of each arm; the last one for later trials),
     with ``exchange_s`` every exchange's time after the decision."""
+    taken = {"uncompressed": 0, "compressed": 0}
 
     def hook(kind, group, seconds):
         if kind == "link":
@@ -26,7 +28,11 @@ def link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank=None, e
         if kind == "exchange" and exchange_s is not None:
             return exchange_s
         if kind == "step" and step_s_by_rank is not None:
-            return step_s_by_rank[rank][group]
+            value = step_s_by_rank[rank][group]
+            if isinstance(value, list):
+                value = value[min(taken[group] // trial_steps, len(value) - 1)]
+            taken[group] += 1
+            return value
         return seconds * kernel_scale_by_rank[rank]
 
     return hook
@@ -42,14 +48,15 @@ def drifting_hook(rank):
 
 
 def auto_worker(rank, world_size, link_s_by_rank, kernel_scale_by_rank, steps, recheck_every=100,
-                step_s_by_rank=None, trial_steps=8, exchange_s=None):
-    """Train ``steps`` steps with Auto; return the parameters, the policy's stats and choices per step.
-    ``link_s_by_rank`` ``"drift"``: :func:`drifting_hook`."""
+                step_s_by_rank=None, trial_steps=8, exchange_s=None, candidates=DEFAULT_CANDIDATES):
+    """Train ``steps`` steps with Auto of ``candidates``; return the parameters, the policy's stats and
+    choices per step. ``link_s_by_rank`` ``"drift"``: :func:`drifting_hook`."""
     model = DDP(make_model(), bucket_cap_mb=0.05)
     state = gc_ddp.register(model, gradcomp.TopK(0.01), warmup_steps=WARMUP)
     hook = (drifting_hook(rank) if link_s_by_rank == "drift"
             else link_hook(link_s_by_rank, kernel_scale_by_rank, rank, step_s_by_rank, exchange_s))
-    state.engine.policy = Auto(measurement_hook=hook, recheck_every=recheck_every, trial_steps=trial_steps)
+    state.engine.policy = Auto(candidates, measurement_hook=hook, recheck_every=recheck_every,
+                               trial_steps=trial_steps)
     return train(model, torch.optim.SGD(model.parameters(), lr=0.05), state, rank, steps)
 
 
@@ -70,9 +77,9 @@ def train(model, optimizer, state, rank, steps, after_step=lambda: None):
             "modes": modes}
 
 
-def auto_recipe_worker(rank, world_size, step_s_by_rank, steps, total_steps):
+def auto_recipe_worker(rank, world_size, step_s_by_rank, steps, total_steps, candidates=("topk:0.01",)):
     """:func:`auto_worker` through the one-call recipe under AdamW (its frozen-variance stage), a slow
-    injected link and injected whole-step times; per step also whether the stage was suspended
+    injected link, injected whole-step times and ``candidates``; per step also whether the stage was suspended
     after it and how many parameters the stage stepped itself (their gradients cleared for the optimizer)."""
     import warnings
 
@@ -81,7 +88,7 @@ def auto_recipe_worker(rank, world_size, step_s_by_rank, steps, total_steps):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     hook = link_hook([3.0, 5.0], [1.0, 1.0], rank, step_s_by_rank)
     state = gc_ddp.register(model, gradcomp.TopK(0.01), optimizer=optimizer, total_steps=total_steps,
-                            policy=Auto(measurement_hook=hook, trial_steps=2))
+                            policy=Auto(candidates, measurement_hook=hook, trial_steps=2))
     stage = state.engine.transform
     cleared = []  # read after the stage's own step pre-hook, registered before this one
     optimizer.register_step_pre_hook(lambda *_: cleared.append(len(stage._cleared)))

@@ -94,46 +94,71 @@ def test_a_link_that_changes_is_measured_and_decided_again(tmp_path):
     assert all(mode == "dense" for mode in modes[-1].values()), modes
 
 
-def run_trial(tmp_path, step_s_by_rank):
+def run_trial(tmp_path, step_s_by_rank, steps=11, candidates=("topk:0.01", "twobit:chunk", "fp16")):
     """A very slow injected link (the model predicts compression) and injected whole-step times; 2
     cycles: step 2 decides (compressed, untimed), then flush, dense, compressed at 3-5 and 6-8, and the
-    verdict falls at step 9."""
-    return multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), [3.0, 5.0], [1.0, 1.0], TRIAL_STEPS_RUN, 100,
-                              step_s_by_rank, 2, timeout_s=240)
+    verdict falls at step 9. A choice found no faster: step 9 dense, step 10 decides from the rest."""
+    return multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), [3.0, 5.0], [1.0, 1.0], steps, 100,
+                              step_s_by_rank, 2, None, candidates, timeout_s=240)
 
 
-TRIAL_STEPS_RUN = 11
+def trial_steps(first, trials):
+    """The steps that compress when trials of 2 cycles follow each other from ``first`` (each: the
+    deciding step, two compressed arms, then the verdict's dense step)."""
+    return [first + 8 * t + offset for t in range(trials) for offset in (0, 3, 6)]
+
+
+def compressed_steps(modes):
+    return [i for i, step in enumerate(modes) if any(mode != "dense" for mode in step.values())]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_compression_the_steps_measure_no_faster_goes_dense_on_every_rank(tmp_path):
     # The model predicts compression; rank 0 measures compressed steps faster, rank 1 slower: the
-    # slowest rank's medians decide (1.0 s compressed against 0.9 s dense), on both ranks alike.
+    # slowest rank's medians decide (1.0 s compressed against 0.9 s dense), on both ranks alike. Every
+    # candidate gets a trial (the ones a choice used drop out together) and then every group goes dense.
     steps = [{"uncompressed": 0.5, "compressed": 0.2}, {"uncompressed": 0.9, "compressed": 1.0}]
-    results = run_trial(tmp_path, steps)
+    results = run_trial(tmp_path, steps, steps=30)
     choices = check_agreement_and_replicas(results)
     assert set(choices.values()) == {"dense"}, choices
-    trial = results[0]["policy"]["trial"]
+    policy = results[0]["policy"]
+    assert policy["rejected"] == results[1]["policy"]["rejected"] == ["fp16", "topk:0.01", "twobit:chunk"]
     # Rank 1's ratio, 1.0 / 0.9, is the slowest rank's: compression does not pay there.
-    assert trial == results[1]["policy"]["trial"] == {"dense_step_s": 0.9, "compressed_step_s": 1.0,
-                                                      "paired_ratio": pytest.approx(1.0 / 0.9), "kept": False}
-    modes = results[0]["modes"]
-    compressed = [i for i, step in enumerate(modes) if any(mode == "allgather" for mode in step.values())]
-    assert compressed == [2, 5, 8], modes  # the deciding step, then each cycle's compressed arm
-    assert all(mode == "dense" for step in modes[9:] for mode in step.values()), modes
+    assert policy["trial"] == results[1]["policy"]["trial"] == {"dense_step_s": 0.9, "compressed_step_s": 1.0,
+                                                                "paired_ratio": pytest.approx(1.0 / 0.9),
+                                                                "kept": False}
+    compressed = compressed_steps(results[0]["modes"])
+    trials = len(compressed) // 3
+    assert trials in (2, 3) and compressed == trial_steps(2, trials), compressed
+    assert all(mode == "dense" for step in results[0]["modes"][2 + 8 * trials - 1:] for mode in step.values())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_choice_the_steps_measure_no_faster_gives_way_to_the_next_candidate(tmp_path):
+    # The first trial's compressed steps are slower than dense, the second's faster: the compressors of
+    # the first choice drop out, and the second choice, from the candidates left, is kept.
+    steps = [{"uncompressed": 0.9, "compressed": [1.0, 0.3]}, {"uncompressed": 0.9, "compressed": [1.1, 0.4]}]
+    results = run_trial(tmp_path, steps, steps=20)
+    choices = check_agreement_and_replicas(results)
+    rejected = results[0]["policy"]["rejected"]
+    assert rejected and set(choices.values()).isdisjoint(rejected + ["dense"]), (rejected, choices)
+    assert results[0]["policy"]["trial"]["kept"] is True
+    compressed = compressed_steps(results[0]["modes"])
+    assert compressed[:6] == trial_steps(2, 2) and compressed[6:] == list(range(17, 20)), compressed
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_after_a_dense_verdict_a_faster_link_decides_nothing_again(tmp_path):
-    # Compression measured slower sends every group dense at step 9. The exchanges then take half the
-    # predicted time (the link looks twice as fast, still slow enough for the model to predict
-    # compression), and the check at step 10 sees it: dense stays dense, with no second trial of
-    # slower steps (which would compress at steps 10, 13 and 16).
+    # Compression measured slower sends every group dense at step 9 (top-k, the only candidate). The
+    # exchanges then take half the predicted time (the link looks twice as fast, still slow enough for the
+    # model to predict compression), and the check at step 10 sees it: dense stays dense, with no second
+    # trial of slower steps (which would compress at steps 10, 13 and 16).
     steps = [{"uncompressed": 0.5, "compressed": 0.6}, {"uncompressed": 0.5, "compressed": 0.6}]
     results = multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), [3.0, 5.0], [1.0, 1.0], 20, 8,
-                                 steps, 2, 1.5, timeout_s=240)
+                                 steps, 2, 1.5, ("topk:0.01",), timeout_s=240)
     choices = check_agreement_and_replicas(results)
     assert set(choices.values()) == {"dense"}, choices
     compressed = [i for i, step in enumerate(results[0]["modes"]) if any(m == "allgather" for m in step.values())]
@@ -178,6 +203,29 @@ def test_while_every_group_goes_dense_the_recipes_adam_stage_steps_aside(tmp_pat
         verdict = compressed[-1] + 1
         assert not suspended[verdict - 1] and cleared[verdict] == 6, (suspended, cleared)
         assert all(suspended[verdict + 1:]) and not any(cleared[verdict + 1:]), (verdict, suspended, cleared)
+        assert result["frozen_denoms"] == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_after_top_k_is_found_slower_the_recipe_runs_fp16_with_the_users_adam(tmp_path):
+    # Top-k's steps are slower than dense, fp16's faster: after top-k's trial every group goes fp16, and
+    # a cast holds nothing back, so the stage stays aside: the user's AdamW steps every parameter.
+    steps = [{"uncompressed": 0.9, "compressed": [1.0, 0.3]}, {"uncompressed": 0.9, "compressed": [1.1, 0.4]}]
+    results = multiprocess.spawn(workers.auto_recipe_worker, 2, str(tmp_path), steps, 30, 40,
+                                 ("topk:0.01", "fp16"), timeout_s=240)
+    choices = check_agreement_and_replicas(results)
+    assert set(choices.values()) == {"fp16"}, choices
+    assert results[0]["policy"]["rejected"] == ["topk:0.01"] and results[0]["policy"]["trial"]["kept"] is True
+    for result in results:
+        modes, suspended, cleared = result["modes"], result["suspended"], result["cleared"]
+        start = result["dense_steps"]
+        retry = start + 8  # top-k's trial: decided at start, compressed arms at start + 3 and + 6, verdict + 7
+        assert compressed_steps(modes)[:3] == [start, start + 3, start + 6], modes
+        assert cleared[start + 7] == 6 and not suspended[start + 7], (cleared, suspended)  # the flush, through it
+        assert all(suspended[retry:]) and not any(cleared[retry:]), (suspended, cleared)
+        fp16 = [i for i, m in enumerate(modes) if any(mode == "allreduce" for mode in m.values())]
+        assert fp16[:3] == [retry, retry + 3, retry + 6] and fp16[3:] == list(range(retry + 7, 30)), fp16
         assert result["frozen_denoms"] == 0
 
 
@@ -289,4 +337,7 @@ def test_the_stage_steps_aside_only_while_every_standing_choice_is_dense():
     auto._chosen[0] = gradcomp.TwoBit("chunk")  # a re-decision compresses one group: back
     auto._pace_stage(stage)
     assert not stage.suspended
+    auto._chosen[0] = gradcomp.FP16()  # a cast holds nothing back: aside, as with dense
+    auto._pace_stage(stage)
+    assert stage.suspended
     auto._pace_stage(None)  # no stage, or one that cannot step aside: nothing to do
