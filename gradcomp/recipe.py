@@ -18,7 +18,7 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   levels beat the ternary code on all five workloads though the dense start shrinks to the budget's:
   charlm-small +0.8% median against +2.5% (seeds 0-2), the GPT -4.7% against -0.8%, proselm -8.5%
   against +0.5%. Under Adam the dearer payload must still leave the frozen variance its samples: where
-  3-bit's dense start is shorter than :data:`~gradcomp.optim.frozen_adam.MIN_STEADY_FREEZE` steps and
+  3-bit's dense start is shorter than :data:`~gradcomp.optim.adam_settings.MIN_STEADY_FREEZE` steps and
   the ternary code's longer, the ternary code runs (charlm-small, AdamW, 200 steps: 3-bit's 2 dense
   steps ended +18.2%, the ternary code's 8 -0.3%). Other optimizers keep the ternary code (not
   measured). :func:`code` gives the choice alone.
@@ -308,10 +308,10 @@ def code(compressor, optimizer=None, total_steps: int = 1, scheduler=None, dense
          min_compression: Optional[float] = None, announce: bool = False) -> Compressor:
     """The compressor the recipe runs for ``compressor`` (module docstring), without side effects: a
     ``TwoBit`` becomes ``ThreeBit()`` under SGD, and under Adam where the byte budget affords 3-bit
-    :data:`~gradcomp.optim.frozen_adam.MIN_STEADY_FREEZE` dense steps or as many as the ternary code's;
+    :data:`~gradcomp.optim.adam_settings.MIN_STEADY_FREEZE` dense steps or as many as the ternary code's;
     else ``TwoBit("chunk")``. Any other compressor is returned as it is. ``dense``: the share of
     elements sent dense (:func:`dense_share`); the notices say what was substituted and why."""
-    from gradcomp.optim.frozen_adam import MIN_STEADY_FREEZE
+    from gradcomp.optim.adam_settings import MIN_STEADY_FREEZE
     from gradcomp.setup import notice
 
     if not isinstance(compressor, TwoBit):

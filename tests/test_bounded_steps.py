@@ -6,7 +6,7 @@ import torch
 
 import gradcomp
 from gradcomp.optim import FrozenVarianceAdam
-from gradcomp.optim.frozen_adam import bounded_step
+from gradcomp.optim.frozen_update import bounded_step
 
 
 def test_the_divisor_is_the_root_mean_square_where_it_passes_one_else_exactly_one():

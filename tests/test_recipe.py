@@ -193,7 +193,7 @@ def test_under_adam_a_run_too_short_for_3_bits_dense_start_keeps_the_ternary_cod
     """3-bit's payload leaves a 200-step run 2 dense steps at 8x: Adam's variance would freeze on 2
     gradients, so the ternary code, whose budget leaves more, runs; SGD (no variance) keeps 3-bit.
     :func:`gradcomp.recipe.code` decides without touching the optimizer."""
-    from gradcomp.optim.frozen_adam import MIN_STEADY_FREEZE
+    from gradcomp.optim.adam_settings import MIN_STEADY_FREEZE
     from gradcomp.recipe import code
 
     named = named_mlp()

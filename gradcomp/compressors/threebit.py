@@ -10,7 +10,7 @@ from gradcomp.backends.checks import THREEBIT_CHUNK, THREEBIT_PER_WORD
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.registry import spec_name
 from gradcomp.payload import Payload, PayloadLayout
-from gradcomp.validation import check_layout
+from gradcomp.validation import check_layout, within
 
 
 @spec_name("threebit")
@@ -55,9 +55,8 @@ class ThreeBit(Compressor):
         every scale is finite and >= 0."""
         check_layout(self, payload, numel)
         codes = payload["codes"]
-        spare = (codes < 0) | (codes >= 1 << 30)
-        if bool(spare.any()):
-            word = int(spare.nonzero()[0, 0])
+        if not within(codes, 0, (1 << 30) - 1):  # one reduction; the word is found only on a failure
+            word = int(((codes < 0) | (codes >= 1 << 30)).nonzero()[0, 0])
             raise ValueError(f"3-bit codes: word {word} (0x{int(codes[word]) & 0xFFFFFFFF:08x}) sets bit 30 or 31, "
                              "which no encoder writes")
         used = numel % self.PER_WORD
@@ -65,9 +64,8 @@ class ThreeBit(Compressor):
             raise ValueError(f"3-bit codes: the last word 0x{int(codes[-1]):08x} has non-zero bits past element "
                              f"{numel - 1} (only its low {3 * used} bits are used for numel={numel})")
         scales = payload["scales"]
-        bad = ~(torch.isfinite(scales) & (scales >= 0))
-        if bool(bad.any()):
-            chunk = int(bad.nonzero()[0, 0])
+        if not within(scales, 0, torch.finfo(torch.float32).max):
+            chunk = int((~(torch.isfinite(scales) & (scales >= 0))).nonzero()[0, 0])
             raise ValueError(f"3-bit scales must be finite and >= 0; chunk {chunk} has {float(scales[chunk])!r}")
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:

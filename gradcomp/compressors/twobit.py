@@ -10,7 +10,7 @@ from gradcomp.backends import kernel
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.registry import spec_name
 from gradcomp.payload import Payload, PayloadLayout
-from gradcomp.validation import check_layout
+from gradcomp.validation import check_layout, within
 
 
 @spec_name("twobit", params=("threshold",))
@@ -133,9 +133,8 @@ class TwoBit(Compressor):
                 raise ValueError(f"2-bit scale must be a positive finite float32, got {scale!r}")
         if self.chunked:
             scales = payload["scales"]
-            bad = ~(torch.isfinite(scales) & (scales >= 0))
-            if bool(bad.any()):
-                chunk = int(bad.nonzero()[0, 0])
+            if not within(scales, 0, torch.finfo(torch.float32).max):  # one reduction; the chunk only on a failure
+                chunk = int((~(torch.isfinite(scales) & (scales >= 0))).nonzero()[0, 0])
                 raise ValueError(f"2-bit chunk scales must be finite and >= 0; chunk {chunk} has "
                                  f"{float(scales[chunk])!r}")
 

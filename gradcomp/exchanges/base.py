@@ -36,6 +36,7 @@ import torch
 
 from gradcomp.compressors.base import Compressor
 from gradcomp.payload import Payload, PayloadLayout
+from gradcomp.validation import all_finite
 
 if TYPE_CHECKING:  # annotations only: the engine and gradcomp.transport import this package
     from gradcomp.costmodel import Cluster, Cost, Kernels
@@ -150,7 +151,7 @@ class Exchange(abc.ABC):
         the same on every rank): by default whether ``average`` (what :meth:`finish` returned, in the
         gradient's dtype) is finite, which every rank decides alike because it decoded the same bytes.
         Called by the engine after :meth:`finish`, for groups that keep residuals or run a transform."""
-        return torch.isfinite(average).all()
+        return all_finite(average)
 
     def commit(self, context: ExchangeContext, handle: "Handle", accept) -> None:
         """Commit this exchange's own state of the step if ``accept`` (a bool or a 0-d device tensor,

@@ -49,7 +49,7 @@ from gradcomp.compressors.per_parameter import PerParameterCache
 from gradcomp.exchanges.base import Exchange, compress_group, payload_is_gradient
 from gradcomp.exchanges.registry import exchange_name
 from gradcomp.payload import Payload, PayloadLayout
-from gradcomp.validation import PayloadError, validate_payload
+from gradcomp.validation import PayloadError, all_finite, validate_payload
 
 __all__ = ["DenseReduceScatter", "CompressedReduceScatter", "piece_key", "dense_below", "VERDICT_WORDS"]
 
@@ -191,7 +191,7 @@ class CompressedReduceScatter(Exchange):
             average.div_(world_size)
             # Judged in the gradient's dtype, as the engine judges what a group receives (a float16 overflow
             # commits nothing); the decision stays on the device until finish() reads the verdicts.
-            verdict[2] = (~torch.isfinite(average.to(source.dtype)).all()).to(torch.int32)
+            verdict[2] = (~all_finite(average.to(source.dtype))).to(torch.int32)
         handle.wire = verdict.view(torch.uint8)
         handle.compress_s += time.perf_counter() - started
 

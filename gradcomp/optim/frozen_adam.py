@@ -35,7 +35,8 @@ The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrang
    top-k, seed 0: a variance frozen on its early plateau turned the later growth of its gradients into
    steps of hundreds of learning rates; bounded, 0.992 accuracy) but held the language models back
    (proselm +4.4 % median against +1.5 %, charlm-small +1.9 % against +1.4 %; ``experiments/results/
-   research-adam-bound/``). ``"momentum"``: each rank's step share; ``"gradient"``: the step itself.
+   research-adam-bound/``). ``"momentum"``: each rank's step share; ``"gradient"``: the step itself
+   (:func:`~gradcomp.optim.frozen_update.bounded_step`).
 5. **Stepping aside**: while a policy sends every group dense for a while (``Auto``, when a trial
    measured compressed steps no faster), :meth:`~FrozenVarianceAdam.suspend` hands the parameters
    back to the user's Adam, its variance live again and continuous with the frozen one;
@@ -48,41 +49,21 @@ the stage reads the optimizer at every call and keeps no copy of its settings. `
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
 import torch
 
+from gradcomp.optim.adam_settings import (
+    check_optimizer,
+    decoupled_weight_decay,
+    optimizer_settings,
+)
 from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_density
+from gradcomp.optim.frozen_update import bounded_step, frozen_update
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
 __all__ = ["FrozenVarianceAdam"]
-
-#: Fewer steps than this before the freeze get a warning: the variance is then a handful of samples.
-MIN_STEADY_FREEZE = 10
-EXCHANGES = ("gradient", "momentum")
-
-
-def _plain(value):
-    """``value`` as plain, repr-stable Python (tensors become numbers or tuples)."""
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else tuple(value.reshape(-1).tolist())
-    if isinstance(value, (list, tuple)):
-        return tuple(_plain(v) for v in value)
-    return value
-
-
-def optimizer_settings(optimizer) -> Tuple[Tuple[Tuple[str, object], ...], ...]:
-    """Each param group's hyperparameters (the learning rate included: ranks compare them at the same
-    step), sorted, as plain values: ranks whose optimizers differ would move their replicas apart."""
-    return tuple(tuple(sorted((k, _plain(v)) for k, v in group.items() if k not in ("params", "step")))
-                 for group in optimizer.param_groups)
-
-
-def _decoupled(optimizer, group) -> bool:
-    return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-
 
 class FrozenVarianceAdam:
     """The engine's ``transform`` that puts a ``torch.optim.Adam``/``AdamW`` on the frozen-variance recipe.
@@ -106,7 +87,7 @@ class FrozenVarianceAdam:
     def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], freeze_step: int,
                  exchange: str = "gradient", variance_floor: float = 0.1, step_hook: bool = True,
                  delay_steps: float = DELAY_STEPS, bounded: bool = False):
-        _check(optimizer, freeze_step, exchange, variance_floor)
+        check_optimizer(optimizer, freeze_step, exchange, variance_floor)
         if not float(delay_steps) >= 0:
             raise ValueError(f"delay_steps must be >= 0, got {delay_steps!r}")
         self.optimizer = optimizer
@@ -202,6 +183,11 @@ class FrozenVarianceAdam:
                 yield key, param, groups[id(param)], flat[offset: offset + n]
             offset += n
 
+    def _denoms(self, pieces, dtype: Optional[torch.dtype] = None) -> List[torch.Tensor]:
+        """The frozen denominators of :meth:`_pieces`' parameters, flat (in ``dtype`` if given)."""
+        denoms = [self._denom(param, group).reshape(-1) for _, param, group, _ in pieces]
+        return denoms if dtype is None else [denom.to(dtype) for denom in denoms]
+
     def _param(self, key) -> torch.nn.Parameter:
         try:
             return self.names[key]
@@ -215,22 +201,36 @@ class FrozenVarianceAdam:
         sparsifies, else ``b1``; ``None``: a dense step), divided by the frozen denominator for frozen
         parameters. ``grad`` is not mutated; the moments change at :meth:`commit`."""
         out = grad.float().clone()
-        pending = []
-        delay = delay_at(held_back_density(compressor), self.delay_steps)
-        for key, param, group, piece in self._pieces(keys, numels, out):
-            if self.exchange == "momentum":
-                if group["weight_decay"] and not _decoupled(self.optimizer, group):
-                    piece.add_(param.detach().reshape(-1).float(), alpha=group["weight_decay"])
-                moment = self.moments.get(key)
-                if moment is None:  # the first compressed step starts from Adam's own first moment
-                    moment = self.optimizer.state[param]["exp_avg"].reshape(-1).float().clone()
-                piece.copy_(torch.lerp(moment, piece, 1 - compressed_momentum(group["betas"][0], delay)))
-                pending.append((key, piece.clone(), moment))
-            piece.div_(self._denom(param, group).reshape(-1))
-            if self.bounded and self.exchange == "momentum":
+        pieces = list(self._pieces(keys, numels, out))
+        pending = self._next_moments(pieces, compressor) if self.exchange == "momentum" else []
+        if pieces:  # one multi-tensor op for the group (on one CPU thread ~0.5 ms less a step than per piece)
+            torch._foreach_div_([piece for *_, piece in pieces], self._denoms(pieces))
+        if self.bounded and self.exchange == "momentum":
+            for *_, piece in pieces:
                 piece.div_(bounded_step(piece))
         self._pending[tuple(keys)] = pending
         return out
+
+    def _next_moments(self, pieces, compressor) -> List[Tuple[Hashable, torch.Tensor, torch.Tensor]]:
+        """This rank's next first moment of each piece (``(key, parameter, group, slice)``, the slice holding
+        the gradient), written into the slices; returns ``(key, next moment, moment)`` for :meth:`commit`."""
+        delay = delay_at(held_back_density(compressor), self.delay_steps)
+        by_weight: Dict[float, list] = {}  # param groups with another beta1 lerp apart
+        for key, param, group, piece in pieces:
+            if group["weight_decay"] and not decoupled_weight_decay(self.optimizer, group):
+                piece.add_(param.detach().reshape(-1).float(), alpha=group["weight_decay"])
+            moment = self.moments.get(key)
+            if moment is None:  # the first compressed step starts from Adam's own first moment
+                moment = self.optimizer.state[param]["exp_avg"].reshape(-1).float().clone()
+            weight = 1 - compressed_momentum(group["betas"][0], delay)
+            by_weight.setdefault(weight, []).append((key, piece, moment))
+        pending = []
+        for weight, entries in by_weight.items():
+            keys, slices, moments = zip(*entries)
+            following = torch._foreach_lerp(moments, slices, weight)
+            torch._foreach_copy_(slices, following)
+            pending += zip(keys, following, moments)
+        return pending
 
     def dense(self, keys, numels, grad: torch.Tensor) -> torch.Tensor:
         """What a dense step (the schedule's, a policy's) sends: the same quantity as :meth:`before_compress`,
@@ -247,8 +247,9 @@ class FrozenVarianceAdam:
         """Back to gradient units: the average times the frozen denominator (frozen parameters)."""
         if self.suspended:  # nothing is frozen (see frozen); skip the walk over the group's parameters
             return
-        for _, param, group, piece in self._pieces(keys, numels, average):
-            piece.mul_(self._denom(param, group).reshape(-1).to(piece.dtype))
+        pieces = list(self._pieces(keys, numels, average))
+        if pieces:
+            torch._foreach_mul_([piece for *_, piece in pieces], self._denoms(pieces, average.dtype))
 
     def commit(self, keys, accept: Union[bool, torch.Tensor] = True) -> None:
         """Make this step's first moments the moments if ``accept`` (may be a 0-d device tensor)."""
@@ -262,30 +263,19 @@ class FrozenVarianceAdam:
     @torch.no_grad()
     def before_optimizer_step(self) -> None:
         """The frozen-variance update of every frozen parameter of :attr:`optimizer` with a gradient
-        (before the optimizer's own step); clears its ``grad`` so that the optimizer's own step skips
-        it, until :meth:`after_optimizer_step` puts it back."""
+        (before the optimizer's own step; one param group at a time, :func:`frozen_update`); clears its
+        ``grad`` so that the optimizer's own step skips it, until :meth:`after_optimizer_step` puts it back."""
         optimizer = self.optimizer
         self._cleared = []
         for group in optimizer.param_groups:
-            beta1 = group["betas"][0]
-            lr, wd = float(group["lr"]), group["weight_decay"]
-            for param in group["params"]:
-                if param.grad is None or not self.frozen(param):
-                    continue
-                state = optimizer.state[param]
-                exp_avg = state["exp_avg"]
-                if self.exchange == "momentum":
-                    exp_avg.copy_(param.grad)
-                else:
-                    grad = param.grad if not (wd and not _decoupled(optimizer, group)) else param.grad + wd * param
-                    exp_avg.lerp_(grad, 1 - beta1)
-                t = self._steps_done(param) + 1
-                if wd and _decoupled(optimizer, group):
-                    param.mul_(1 - lr * wd)
-                bias, denom, moment = 1 - beta1**t, self._denom(param, group), exp_avg
-                if self.bounded and self.exchange == "gradient":
-                    moment = exp_avg / bounded_step(exp_avg / denom, bias)
-                param.addcdiv_(moment, denom, value=-lr / bias)
+            params = [p for p in group["params"] if p.grad is not None and self.frozen(p)]
+            if not params:
+                continue
+            states = [optimizer.state[p] for p in params]
+            frozen_update(params, [state["exp_avg"] for state in states], [p.grad for p in params],
+                          [self._denom(p, group) for p in params], [self._steps_done(p) + 1 for p in params],
+                          group, decoupled_weight_decay(optimizer, group), self.exchange, self.bounded)
+            for param, state in zip(params, states):
                 state["step"] += 1
                 self._cleared.append((param, param.grad))
                 param.grad = None
@@ -364,32 +354,3 @@ class FrozenVarianceAdam:
 
     def __repr__(self) -> str:
         return f"FrozenVarianceAdam({type(self.optimizer).__name__}, {self._recipe()})"
-
-
-def bounded_step(update: torch.Tensor, bias: float = 1.0) -> torch.Tensor:
-    """What divides ``update`` (a parameter's step in update units, ``update / bias`` if ``bias`` is given) so that
-    its root mean square is at most 1: that root mean square where it passes 1, else exactly 1 (a 0-d tensor
-    on ``update``'s device; no host sync, and a bitwise no-op where the bound holds)."""
-    rms = update.float().norm() / (bias * math.sqrt(max(update.numel(), 1)))
-    return rms.clamp(min=1.0)
-
-
-def _check(optimizer, freeze_step, exchange, variance_floor) -> None:
-    if not isinstance(optimizer, torch.optim.Adam):
-        raise TypeError(f"FrozenVarianceAdam takes a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
-    for index, group in enumerate(optimizer.param_groups):
-        for flag in ("amsgrad", "maximize"):
-            if group.get(flag):
-                raise ValueError(f"the optimizer's param group {index} has {flag}=True, which the frozen-variance "
-                                 f"recipe does not support; create the optimizer with {flag}=False")
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-        raise ValueError(f"freeze_step must be an integer >= 1 (steps of plain Adam first), got {freeze_step!r}")
-    if freeze_step < MIN_STEADY_FREEZE:
-        warnings.warn(f"gradcomp: freezing Adam's variance after {freeze_step} steps fixes a second moment "
-                      f"estimated from {freeze_step} gradients; freeze after the LR warm-up (the one-call recipe "
-                      "asks 10% of the run under Adam, as far as the byte budget allows), or the frozen "
-                      "denominators may be far off")
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-    if not 0.0 <= variance_floor <= 1.0:
-        raise ValueError(f"variance_floor must be in [0, 1], got {variance_floor}")

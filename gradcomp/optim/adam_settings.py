@@ -1,0 +1,60 @@
+"""What the frozen-variance recipe asks of the user's ``torch.optim.Adam``/``AdamW``, and the settings ranks compare.
+
+:class:`~gradcomp.optim.FrozenVarianceAdam` checks the optimizer with :func:`check_optimizer` when it is
+built, and reports :func:`optimizer_settings` in its ``settings()`` (the cross-rank check hashes them).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Tuple
+
+import torch
+
+__all__ = ["MIN_STEADY_FREEZE", "EXCHANGES", "optimizer_settings", "decoupled_weight_decay",
+           "check_optimizer"]
+
+#: Fewer steps than this before the freeze get a warning: the variance is then a handful of samples.
+MIN_STEADY_FREEZE = 10
+EXCHANGES = ("gradient", "momentum")
+
+
+def _plain(value):
+    """``value`` as plain, repr-stable Python (tensors become numbers or tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else tuple(value.reshape(-1).tolist())
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def optimizer_settings(optimizer) -> Tuple[Tuple[Tuple[str, object], ...], ...]:
+    """Each param group's hyperparameters (the learning rate included: ranks compare them at the same
+    step), sorted, as plain values: ranks whose optimizers differ would move their replicas apart."""
+    return tuple(tuple(sorted((k, _plain(v)) for k, v in group.items() if k not in ("params", "step")))
+                 for group in optimizer.param_groups)
+
+
+def decoupled_weight_decay(optimizer, group) -> bool:
+    """Whether ``group``'s weight decay is AdamW's (``p *= 1 - lr * wd``) rather than Adam's L2 term."""
+    return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+
+
+def check_optimizer(optimizer, freeze_step, exchange, variance_floor) -> None:
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise TypeError(f"FrozenVarianceAdam takes a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+    for index, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(f"the optimizer's param group {index} has {flag}=True, which the frozen-variance "
+                                 f"recipe does not support; create the optimizer with {flag}=False")
+    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+        raise ValueError(f"freeze_step must be an integer >= 1 (steps of plain Adam first), got {freeze_step!r}")
+    if freeze_step < MIN_STEADY_FREEZE:
+        warnings.warn(f"gradcomp: freezing Adam's variance after {freeze_step} steps fixes a second moment "
+                      f"estimated from {freeze_step} gradients; freeze after the LR warm-up (the one-call recipe "
+                      "asks 10% of the run under Adam, as far as the byte budget allows), or the frozen "
+                      "denominators may be far off")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if not 0.0 <= variance_floor <= 1.0:
+        raise ValueError(f"variance_floor must be in [0, 1], got {variance_floor}")

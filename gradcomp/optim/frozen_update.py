@@ -1,0 +1,60 @@
+"""The frozen-variance Adam update of one param group's parameters at once, with torch's multi-tensor ops.
+
+:class:`~gradcomp.optim.FrozenVarianceAdam` runs it in the optimizer's step pre-hook on the parameters
+whose variance is frozen. One call per operation for the whole group (``torch._foreach_*``, as torch's own
+Adam) instead of one per parameter: on the main job's transformer (28 tensors) the per-parameter walk took
+about 1 ms of a 48 ms step on one CPU thread. The arithmetic is the per-parameter one, operation for
+operation, so the parameters are bitwise those of a step taken one parameter at a time
+(``tests/test_frozen_update.py``).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+import torch
+
+__all__ = ["frozen_update", "bounded_step"]
+
+
+@torch.no_grad()
+def frozen_update(params: List[torch.Tensor], exp_avgs: List[torch.Tensor], grads: List[torch.Tensor],
+                  denoms: List[torch.Tensor], steps: Sequence[int], group: dict, decoupled: bool,
+                  exchange: str, bounded: bool) -> None:
+    """Step ``params`` by Adam with frozen denominators (each list one entry per parameter, alike shaped).
+
+    Args:
+        params: the parameters (mutated: ``p -= lr * m / (1 - b1^t) / d``, after ``p *= 1 - lr * wd`` when
+            ``decoupled``).
+        exp_avgs: the optimizer's first moments (mutated: ``exchange="momentum"``: the averaged first moment
+            ``grads`` holds, copied; ``"gradient"``: its exponential average with ``grads`` (+ ``wd * p``
+            when not ``decoupled``)).
+        grads: what ``.grad`` holds (read only).
+        denoms: the frozen denominators ``d`` (read only).
+        steps: each parameter's step number ``t`` after this step (its bias correction).
+        group: the param group (``lr``, ``betas``, ``weight_decay``; read at this call).
+        bounded: with ``exchange="gradient"``, scale a step whose root mean square in update units passes 1
+            back to 1 (:func:`bounded_step`).
+    """
+    beta1, lr, wd = group["betas"][0], float(group["lr"]), group["weight_decay"]
+    if exchange == "momentum":
+        torch._foreach_copy_(exp_avgs, grads)
+    else:
+        if wd and not decoupled:
+            grads = torch._foreach_add(grads, torch._foreach_mul(params, wd))
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    if wd and decoupled:
+        torch._foreach_mul_(params, 1 - lr * wd)
+    biases = [1 - beta1**t for t in steps]
+    moments = exp_avgs
+    if bounded and exchange == "gradient":
+        moments = [m / bounded_step(m / d, bias) for m, d, bias in zip(exp_avgs, denoms, biases)]
+    torch._foreach_addcdiv_(params, moments, denoms, [-lr / bias for bias in biases])
+
+
+def bounded_step(update: torch.Tensor, bias: float = 1.0) -> torch.Tensor:
+    """What divides ``update`` (a parameter's step in update units, ``update / bias`` if ``bias`` is given) so that
+    its root mean square is at most 1: that root mean square where it passes 1, else exactly 1 (a 0-d tensor
+    on ``update``'s device; no host sync, and a bitwise no-op where the bound holds)."""
+    rms = update.float().norm() / (bias * math.sqrt(max(update.numel(), 1)))
+    return rms.clamp(min=1.0)
