@@ -203,7 +203,7 @@ class FrozenVarianceAdam:
         out = grad.float().clone()
         pieces = list(self._pieces(keys, numels, out))
         pending = self._next_moments(pieces, compressor) if self.exchange == "momentum" else []
-        if pieces:  # one multi-tensor op for the group (on one CPU thread ~0.5 ms less a step than per piece)
+        if pieces:  # one multi-tensor op for the group: one kernel launch on a GPU, not one per parameter
             torch._foreach_div_([piece for *_, piece in pieces], self._denoms(pieces))
         if self.bounded and self.exchange == "momentum":
             for *_, piece in pieces:
