@@ -18,7 +18,9 @@ fails (exit 1) when the README differs from what the results say (``tests/test_r
 ================  =============================================================================
 
 and ``fsdp-convergence``, the convergence table of the runs under FSDP2 against FSDP's own dense
-(``experiments/results/fsdp-convergence/convergence.json``, ``experiments.convergence --parallel fsdp``).
+(``experiments/results/fsdp-convergence/convergence.json``, ``experiments.convergence --parallel fsdp``), and
+``auto``, what ``Auto`` chose on each link of the main job's step times and its step against dense's
+(``experiments/results/main/step_times/``: ``policy_choices.json`` and the step-time rows).
 """
 from __future__ import annotations
 
@@ -36,7 +38,10 @@ SOURCES = {"convergence": "experiments/results/convergence/convergence.json",
            "time": "experiments/results/main/time_to_accuracy/time_to_accuracy.json",
            "study-time": "experiments/results/time_to_accuracy/time_to_accuracy.json",
            "horovod-time": "experiments/results/horovod-tta/time_to_accuracy/time_to_accuracy.json",
-           "fsdp-convergence": "experiments/results/fsdp-convergence/convergence.json"}
+           "fsdp-convergence": "experiments/results/fsdp-convergence/convergence.json",
+           "auto": "experiments/results/main/step_times/policy_choices.json"}
+#: The step-time rows of the run whose ``Auto`` choices the ``auto`` table shows.
+AUTO_STEP_TIMES = "experiments/results/main/step_times/step_times_charlm-small_adamw.json"
 LINK_ORDER = ("10mbit", "100mbit", "1gbit", "10gbit", "unshaped")
 _BLOCK = re.compile(r"(<!-- generated: (\w[\w-]*) -->\n)(.*?)(<!-- /generated -->)", re.S)
 
@@ -138,9 +143,26 @@ def study_time_table(rows: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def auto_table(choices: Dict[str, List[dict]]) -> str:
+    """Per link: what ``Auto`` chose in the last round (groups and elements per choice), the candidates its
+    trials rejected, and its step against dense's, paired step by step (:data:`AUTO_STEP_TIMES`)."""
+    with open(os.path.join(ROOT, AUTO_STEP_TIMES)) as f:
+        ratios = {r["link"]: r.get("ratio_vs_dense") for r in json.load(f) if r["method"] == "auto"}
+    lines = ["| link | Auto's choice (groups, elements) | candidates its trials rejected | its step ÷ dense's |",
+             "|---|---|---|---|"]
+    for key in sorted(choices, key=lambda k: -LINK_ORDER.index(k.split("|")[1])):
+        last, link = choices[key][-1], key.split("|")[1]
+        chosen = ", ".join(f"{name} ({groups}, {numel:,})" for name, (groups, numel)
+                           in sorted(last["groups_and_elements"].items()))
+        rejected = ", ".join(last.get("rejected", [])) or "–"
+        ratio = ratios.get(link)
+        lines.append(f"| {link} | {chosen} | {rejected} | {'–' if ratio is None else f'{ratio:.3f}x'} |")
+    return "\n".join(lines) + "\n"
+
+
 TABLES: Dict[str, Callable[[List[dict]], str]] = {"convergence": convergence_table, "time": time_table,
                                                   "study-time": study_time_table, "horovod-time": time_table,
-                                                  "fsdp-convergence": convergence_table}
+                                                  "fsdp-convergence": convergence_table, "auto": auto_table}
 
 
 def render(readme: str, root: str = ROOT) -> str:
