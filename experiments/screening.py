@@ -2,8 +2,9 @@
 
 The screens change a piece of the recipe from outside (a constant, a patched function) and run the
 study's own simulation of 2 ranks; :func:`run_prefix` runs the first steps of one of its runs,
-:func:`recorded_engines` hands a screen the engines that run builds, and :func:`topk_by_score` is a top-k
-compression whose selection a screen chooses.
+:func:`with_density` changes the density its sparsity schedule gives, :func:`recorded_engines` hands a
+screen the engines that run builds, and :func:`topk_by_score` is a top-k compression whose selection a
+screen chooses.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from experiments import simrun
 from experiments.convergence import RunSpec
 from experiments.suite import STEPS
 
-__all__ = ["run_prefix", "recorded_engines", "topk_by_score"]
+__all__ = ["run_prefix", "with_density", "recorded_engines", "topk_by_score"]
 
 
 def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str, seed: int = 0) -> None:
@@ -33,6 +34,29 @@ def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str, 
         pass
     finally:
         simrun._train_step = train_step
+
+
+def with_density(density_at) -> None:
+    """Patch :class:`gradcomp.schedule.SparsityRamp` (for the process's life) so that a compressed step at
+    ``step`` uses ``density_at(step, density)`` in place of the schedule's ``density`` (the dense start
+    stays dense); each density's compressor is built once."""
+    from gradcomp import schedule
+
+    compressor_at = schedule.SparsityRamp.compressor_at
+    built = {}
+
+    def patched(self, step, base):
+        compressor = compressor_at(self, step, base)
+        if compressor is None:
+            return None
+        density = density_at(step, getattr(compressor, "density", 1.0))
+        if density == getattr(compressor, "density", 1.0):
+            return compressor
+        if density not in built:
+            built[density] = schedule._with_density(base, density)
+        return built[density]
+
+    schedule.SparsityRamp.compressor_at = patched
 
 
 def recorded_engines() -> list:

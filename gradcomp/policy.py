@@ -122,9 +122,9 @@ class Auto:
         self.measurement_hook = measurement_hook
         self.trial_steps = int(trial_steps)
         self._trial = StepTrial(self.trial_steps, dense_margin)
-        self._measured_dense = False  # no candidate is left: every trial found its steps no faster
         self._rejected: set = set()  # specs of the choices trials found no faster (until the link changes)
-        self._retry_at: Optional[int] = None  # the step at which the candidates left are decided
+        # The step at which the candidates left are decided; until then (the verdict's step) every group is dense.
+        self._retry_at: Optional[int] = None
         self.link: Optional[costmodel.Link] = None
         self.decisions: Dict[Hashable, dict] = {}
         self._chosen: Dict[Hashable, Optional[Compressor]] = {}
@@ -194,7 +194,7 @@ class Auto:
         if self.recheck_every and engine.step - self._last_check >= self.recheck_every:
             self._recheck(engine)
         if self._retry_at == engine.step:  # the step after the verdict flushed the residuals: decide again
-            self._retry_at, self._measured_dense = None, False
+            self._retry_at = None
             self._forget_decisions()
         if self._trial.due(engine.step) and not self._trial.judge(lambda v: _slowest(self._gather(engine, v))):
             self._rejected.update(c.spec for c in self._chosen.values() if c is not None)
@@ -204,7 +204,6 @@ class Auto:
                         self._trial.verdict["paired_ratio"], self._trial.verdict["compressed_step_s"],
                         self._trial.verdict["dense_step_s"], f", then tries {left}" if left else "")
             # This step goes dense (it flushes what the residuals hold); the next decides from what is left.
-            self._measured_dense = True
             self._retry_at = engine.step + 1 if left else None
             self._forget_decisions()
 
@@ -364,7 +363,7 @@ class Auto:
             predicted[c.spec] = (cost.comm_s + self._kernels[(c.spec, numel)], cost.comm_s, exchange.name)
         best = min((c for c in usable), key=lambda c: predicted[c.spec][0], default=None)
         choice = None
-        if (best is not None and not self._measured_dense
+        if (best is not None and self._retry_at is None
                 and predicted[best.spec][0] <= (1 - self.dense_margin) * predicted[dense.name][0]):
             choice = best
             self._trial.begin(engine.step)  # kept only if the steps are measured faster
@@ -394,5 +393,5 @@ class Auto:
         logger.info("gradcomp.Auto: exchanges take %.2fx the predicted time; deciding again", ratio)
         self.link = costmodel.Link(self.link.latency_s * ratio, self.link.bandwidth / ratio)
         self._forget_decisions()
-        self._measured_dense, self._rejected, self._retry_at = False, set(), None  # trials measured the old link
+        self._rejected, self._retry_at = set(), None  # the trials measured the old link
         self._trial.restart(engine.step)

@@ -28,7 +28,8 @@ import torch
 
 from gradcomp.payload import Payload, PayloadLayout
 
-__all__ = ["PayloadError", "validate_payload", "validate_gathered", "check_layout", "all_finite", "within"]
+__all__ = ["PayloadError", "validate_payload", "validate_gathered", "check_layout", "all_finite", "within",
+           "check_chunk_scales"]
 
 #: Gradient dtypes a payload may have been built from (the compressors' ``FLOAT_DTYPES``).
 _GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -53,6 +54,14 @@ def within(tensor: torch.Tensor, low, high) -> bool:
         return True
     least, largest = torch.aminmax(tensor.reshape(-1))
     return bool((least >= low) & (largest <= high))
+
+
+def check_chunk_scales(scales: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` naming the first chunk unless every float32 scale of ``scales`` is finite and
+    >= 0 (``what`` names them in the message); one reduction (:func:`within`), the chunk found on a failure."""
+    if not within(scales, 0, torch.finfo(torch.float32).max):
+        chunk = int((~(torch.isfinite(scales) & (scales >= 0))).nonzero()[0, 0])
+        raise ValueError(f"{what} must be finite and >= 0; chunk {chunk} has {float(scales[chunk])!r}")
 
 
 class PayloadError(ValueError):

@@ -10,7 +10,7 @@ from gradcomp.backends.checks import THREEBIT_CHUNK, THREEBIT_PER_WORD
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.registry import spec_name
 from gradcomp.payload import Payload, PayloadLayout
-from gradcomp.validation import check_layout, within
+from gradcomp.validation import check_chunk_scales, check_layout, within
 
 
 @spec_name("threebit")
@@ -63,10 +63,7 @@ class ThreeBit(Compressor):
         if used and int(codes[-1]) >> (3 * used):
             raise ValueError(f"3-bit codes: the last word 0x{int(codes[-1]):08x} has non-zero bits past element "
                              f"{numel - 1} (only its low {3 * used} bits are used for numel={numel})")
-        scales = payload["scales"]
-        if not within(scales, 0, torch.finfo(torch.float32).max):
-            chunk = int((~(torch.isfinite(scales) & (scales >= 0))).nonzero()[0, 0])
-            raise ValueError(f"3-bit scales must be finite and >= 0; chunk {chunk} has {float(scales[chunk])!r}")
+        check_chunk_scales(payload["scales"], "3-bit scales")
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         kernel("threebit_decompress_add", out.device, backend)(payload["codes"], payload["scales"], out)

@@ -10,7 +10,7 @@ from gradcomp.backends import kernel
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.registry import spec_name
 from gradcomp.payload import Payload, PayloadLayout
-from gradcomp.validation import check_layout, within
+from gradcomp.validation import check_chunk_scales, check_layout
 
 
 @spec_name("twobit", params=("threshold",))
@@ -132,11 +132,7 @@ class TwoBit(Compressor):
             if not (math.isfinite(scale) and scale > 0):
                 raise ValueError(f"2-bit scale must be a positive finite float32, got {scale!r}")
         if self.chunked:
-            scales = payload["scales"]
-            if not within(scales, 0, torch.finfo(torch.float32).max):  # one reduction; the chunk only on a failure
-                chunk = int((~(torch.isfinite(scales) & (scales >= 0))).nonzero()[0, 0])
-                raise ValueError(f"2-bit chunk scales must be finite and >= 0; chunk {chunk} has "
-                                 f"{float(scales[chunk])!r}")
+            check_chunk_scales(payload["scales"], "2-bit chunk scales")
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         if self.chunked:

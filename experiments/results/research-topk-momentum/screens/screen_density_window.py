@@ -14,26 +14,12 @@ import sys
 
 import torch
 
-from experiments.screening import run_prefix
-from gradcomp import schedule
-from gradcomp.schedule import SparsityRamp
+from experiments.screening import run_prefix, with_density
 
 
 def main(floor: float, start: int, end: int, stop: int, log: str, workload: str) -> None:
     torch.set_num_threads(1)
-    compressor_at = SparsityRamp.compressor_at
-    held = {}
-
-    def windowed(self, step, base):
-        compressor = compressor_at(self, step, base)
-        if (compressor is None or not start <= step < end
-                or getattr(compressor, "density", 1.0) >= floor):
-            return compressor
-        if floor not in held:
-            held[floor] = schedule._with_density(base, floor)
-        return held[floor]
-
-    SparsityRamp.compressor_at = windowed
+    with_density(lambda step, density: max(density, floor) if start <= step < end else density)
     run_prefix(stop, log, workload, "sgdm", "topk")
 
 

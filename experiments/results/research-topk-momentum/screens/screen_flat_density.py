@@ -15,25 +15,12 @@ import sys
 
 import torch
 
-from experiments.screening import run_prefix
-from gradcomp import schedule
-from gradcomp.schedule import SparsityRamp
+from experiments.screening import run_prefix, with_density
 
 
 def main(density: float, stop: int, log: str, workload: str) -> None:
     torch.set_num_threads(1)
-    compressor_at = SparsityRamp.compressor_at
-    flat = {}
-
-    def flattened(self, step, base):
-        compressor = compressor_at(self, step, base)
-        if compressor is None:  # the dense start
-            return None
-        if density not in flat:
-            flat[density] = schedule._with_density(base, density)
-        return flat[density]
-
-    SparsityRamp.compressor_at = flattened
+    with_density(lambda step, scheduled: density)
     run_prefix(stop, log, workload, "sgdm", "topk")
 
 

@@ -12,25 +12,12 @@ import sys
 
 import torch
 
-from experiments.screening import run_prefix
-from gradcomp import schedule
-from gradcomp.schedule import SparsityRamp
+from experiments.screening import run_prefix, with_density
 
 
 def main(floor: float, stop: int, log: str, workload: str) -> None:
     torch.set_num_threads(1)
-    compressor_at = SparsityRamp.compressor_at
-    held = {}
-
-    def floored(self, step, base):
-        compressor = compressor_at(self, step, base)
-        if compressor is None or getattr(compressor, "density", 1.0) >= floor:
-            return compressor
-        if floor not in held:
-            held[floor] = schedule._with_density(base, floor)
-        return held[floor]
-
-    SparsityRamp.compressor_at = floored
+    with_density(lambda step, density: max(density, floor))
     run_prefix(stop, log, workload, "sgdm", "topk")
 
 
