@@ -8,11 +8,20 @@ screen chooses.
 """
 from __future__ import annotations
 
-import torch
+import os
 
-from experiments import simrun
-from experiments.convergence import RunSpec
-from experiments.suite import STEPS
+# One thread for every pool, as the study's runs have (experiments.simrun.main), set before Numba first loads
+# its OpenMP pool: two screens side by side, each with Numba's whole pool, ran their compressed steps 27x
+# slower than the study's (charlm-small, SGD-momentum top-k: 0.98 s against 0.036 s a step) before the
+# kernels took torch's thread count (gradcomp.backends.numba.concurrency).
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+
+import torch  # noqa: E402
+
+from experiments import simrun  # noqa: E402
+from experiments.convergence import RunSpec  # noqa: E402
+from experiments.suite import STEPS  # noqa: E402
 
 __all__ = ["run_prefix", "with_density", "recorded_engines", "topk_by_score"]
 

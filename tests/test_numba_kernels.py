@@ -384,7 +384,7 @@ _THREADS_SCRIPT = textwrap.dedent(
     import gradcomp.backends.numba
 
     def run(threads):
-        numba.set_num_threads(threads)
+        torch.set_num_threads(threads)  # the ops run on torch's thread count (within Numba's limit)
         generator = torch.Generator().manual_seed(0)
         grad = torch.randn(1_000_003, generator=generator)
         residual = torch.randn(grad.numel(), generator=generator)
@@ -407,7 +407,10 @@ _THREADS_SCRIPT = textwrap.dedent(
             chunked += [words, scales, chunk_residual]
         return [t.view(torch.int32) for t in [values, indices, topk_residual, codes, twobit_residual, out] + chunked]
 
-    one, two = run(1), run(2)
+    one = run(1)
+    assert numba.get_num_threads() == 1
+    two = run(2)
+    assert numba.get_num_threads() == 2
     assert all(torch.equal(a, b) for a, b in zip(one, two)), "results depend on the thread count"
     print("same")
     """
@@ -422,6 +425,39 @@ def test_results_do_not_depend_on_the_thread_count():
         [sys.executable, "-c", _THREADS_SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0 and "same" in result.stdout, result.stderr[-3000:]
+
+
+_POOL_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    if sys.argv[1] == "numba-first":  # torch then shares Numba's OpenMP runtime
+        import numba
+    import torch
+    torch.set_num_threads(1)
+    import numba
+    from gradcomp.compressors.threebit import ThreeBit
+
+    def launch():
+        ThreeBit().compress(torch.randn(3000), torch.zeros(3000), torch.zeros(3000), backend="numba")
+        return numba.get_num_threads(), torch.get_num_threads()
+
+    first = launch()
+    torch.set_num_threads(2)
+    print(first, launch())
+    """
+)
+
+
+@pytest.mark.parametrize("order", ["numba-first", "torch-first"])
+def test_kernels_run_on_torchs_threads_and_leave_them(order):
+    # A rank pinned to one torch thread (torchrun sets OMP_NUM_THREADS=1) runs the kernels on one
+    # thread, however many Numba allows: two such processes on two cores with Numba's whole pool each
+    # took 65x longer a launch (experiments.bench_threads). And torch's own count stays the user's.
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")
+    result = subprocess.run([sys.executable, "-c", _POOL_SCRIPT, order], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["(1,", "1)", "(2,", "2)"], result.stdout
 
 
 _CONCURRENT_SCRIPT = r"""

@@ -2,8 +2,9 @@
 
 Contracts are in :mod:`gradcomp.backends`; these kernels are tested bit for bit against
 :mod:`gradcomp.backends.torch_ops`. Every parallel kernel is ``@njit(parallel=True,
-cache=True)`` and uses the threads Numba is allowed (``numba.set_num_threads``); this
-package never changes that, so a launcher that pins one thread per rank keeps control.
+cache=True)`` and runs on as many threads as torch's intra-op pool, at most the threads Numba
+allows (:mod:`~gradcomp.backends.numba.concurrency`), so a launcher that pins torch's threads
+per rank pins the kernels' too.
 
 The modules mirror ``csrc/``:
 
