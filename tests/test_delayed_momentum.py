@@ -10,7 +10,7 @@ import torch
 from gradcomp.compressors import ThreeBit, TopK
 from gradcomp.compressors.per_parameter import PerParameter
 from gradcomp.optim import DelayedMomentumSGD
-from gradcomp.optim.delayed_momentum import DELAY_DENSITY, DELAY_STEPS, compressed_momentum, delay_at
+from gradcomp.optim.delayed_momentum import DELAY_DENSITY, DELAY_STEPS, compressed_momentum, delay_at, stable_delay
 
 
 def test_the_shortened_momentum_gives_up_the_delay_in_steps_and_never_goes_below_zero():
@@ -34,6 +34,60 @@ def test_a_denser_payload_gives_up_less_delay_and_the_delay_is_capped():
     assert delay_at(1.0) == 0.0 and delay_at(0.0) == 0.0
     delays = [delay_at(d) for d in (1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 0.01)]
     assert delays == sorted(delays)
+
+
+@pytest.mark.parametrize("beta", [0.8, 0.9, 0.95])
+@pytest.mark.parametrize("delay", [delay_at(1 / 8), DELAY_STEPS])
+def test_below_the_peak_rate_more_delay_is_given_up_while_the_step_answers_no_harder_than_at_the_peak(beta, delay):
+    """k * lr (k = (1 - beta') / (1 - beta): the step's answer to a new gradient) stays at its value at the peak
+    rate as the rate falls, until the momentum is gone; at the peak the delay is the density's."""
+    m = beta / (1 - beta)
+    assert stable_delay(delay, beta, 1.0) == delay and stable_delay(delay, beta, 0.5) == delay
+
+    def answer(d, lr):
+        fast = compressed_momentum(beta, d)
+        return (1 - fast) / (1 - beta) * lr
+
+    at_peak = answer(delay, 1.0)
+    previous = min(delay, m)
+    for ratio in (1.25, 2.0, 4.0, 10.0, 100.0):
+        given_up = stable_delay(delay, beta, ratio)
+        assert previous <= given_up <= m
+        if given_up < m:
+            assert answer(given_up, 1 / ratio) == pytest.approx(at_peak)
+        else:
+            assert answer(given_up, 1 / ratio) <= at_peak * (1 + 1e-9) and compressed_momentum(beta, given_up) == 0
+        previous = given_up
+    assert stable_delay(delay, beta, 1e6) == pytest.approx(m)
+    assert stable_delay(0.0, beta, 10.0) == 0.0
+
+
+def test_a_compressed_step_below_the_peak_rate_takes_the_stable_delay():
+    """The stage keeps each param group's highest rate (dense steps count); a compressed step at half of it
+    shortens the momentum by stable_delay(..., 2), and a resumed stage keeps the peak."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stage = DelayedMomentumSGD(optimizer, model.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    for step, lr in enumerate((0.05, 0.1, 0.08)):  # dense steps: the peak is 0.1
+        optimizer.param_groups[0]["lr"] = lr
+        _grads(model, step)
+        optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.05
+    _grads(model, 3)
+    old = {p: optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()}
+    stage.after_compress(names, None, TopK(0.01), 0)
+    optimizer.step()
+    fast = compressed_momentum(0.9, stable_delay(delay_at(0.01), 0.9, 2.0))
+    assert fast < compressed_momentum(0.9)
+    for p in model.parameters():
+        torch.testing.assert_close(optimizer.state[p]["momentum_buffer"], fast * old[p] + (1 - fast) / 0.1 * p.grad)
+    saved = stage.state_dict()
+    assert saved == {"delay_steps": DELAY_STEPS, "peak_lr": [0.1]}
+    resumed = DelayedMomentumSGD(torch.optim.SGD(_model().parameters(), lr=0.05, momentum=0.9),
+                                 _model().named_parameters())
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict() == saved
 
 
 def _model(seed=0):
@@ -148,10 +202,14 @@ def test_its_checkpoint_state_is_its_setting_and_another_is_refused_before_anyth
     model = _model()
     stage = DelayedMomentumSGD(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters())
     state = stage.state_dict()
-    assert state == {"delay_steps": DELAY_STEPS}
+    assert state == {"delay_steps": DELAY_STEPS, "peak_lr": []}
     stage.load_state_dict(state)
+    stage.load_state_dict({"delay_steps": DELAY_STEPS})  # saved before the stage kept its peaks
     with pytest.raises(ValueError, match="delay_steps"):
         stage.prepare_load({"delay_steps": 2.0})
+    for peaks in ([-0.1], "0.1", [1]):
+        with pytest.raises(ValueError, match="peak learning rates"):
+            stage.prepare_load({"delay_steps": DELAY_STEPS, "peak_lr": peaks})
     with pytest.raises(TypeError, match="torch.optim.SGD"):
         DelayedMomentumSGD(torch.optim.Adam(model.parameters()), model.named_parameters())
     with pytest.raises(ValueError, match="delay_steps"):
