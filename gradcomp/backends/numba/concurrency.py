@@ -16,8 +16,9 @@ what Numba allows (``NUMBA_NUM_THREADS``, by default one per core). Numba's Open
 the end of every parallel region; with several ranks on one machine, each with a team as large as the
 machine (torchrun sets ``OMP_NUM_THREADS=1`` for torch, nothing for Numba), the teams' threads wait
 for cores and every launch waits for the slowest of them. Measured: two processes on 2 cores, each a
-loop of four 256 x 256 matmuls and 20 launches of the 3-bit compression of 30,000 floats, took 2.4 ms a
-loop with one Numba thread each and 156-160 ms with Numba's default of two (65x; ``experiments.bench_threads``).
+loop of four 256 x 256 matmuls and 20 launches of the 3-bit compression of 30,000 floats, took 2.47-2.48 ms
+a loop with one Numba thread each and 156-160 ms with Numba's default of two (65x; ``experiments.bench_threads``,
+quiet, load 0.42).
 A launcher that gives each rank torch's share of the cores thus gives the kernels the same share.
 
 Everything about threads in the Numba backend lives in this module, so that a change to
