@@ -20,7 +20,7 @@ from test_cuda_kernels import TINY, cuda_emulator, cuda_ops
 # Mixed sizes: large and small parameters, sizes that are not multiples of 16, a scalar.
 NUMELS = (3000, 10, 5000, 1, 2048, 7, 1500)
 DENSE_BELOW = 1024
-SPECS = ("topk:0.01", "topk:0.1", "twobit:rms", "twobit:0.5")
+SPECS = ("topk:0.01", "topk:0.1", "twobit:rms", "twobit:0.5", "twobit:chunk", "threebit")
 
 
 def make(n, dtype, seed):
@@ -42,6 +42,12 @@ def emulated_cuda():
         "topk_decompress_add": lambda v, i, out: cuda_ops.plan_topk_decompress_add(launcher, TINY, v, i, out),
         "twobit_compress": lambda g, ri, ro, t, c: cuda_ops.plan_twobit_compress(launcher, TINY, g, ri, ro, t, c),
         "twobit_decompress_add": lambda c, t, out: cuda_ops.plan_twobit_decompress_add(launcher, TINY, c, t, out),
+        "twobit_chunk_compress": lambda g, ri, ro, c, s: cuda_ops.plan_twobit_chunk_compress(launcher, TINY, g, ri, ro,
+                                                                                            c, s),
+        "twobit_chunk_decompress_add": lambda c, s, out: cuda_ops.plan_twobit_chunk_decompress_add(launcher, TINY, c,
+                                                                                                  s, out),
+        "threebit_compress": lambda g, ri, ro, c, s: cuda_ops.plan_threebit_compress(launcher, TINY, g, ri, ro, c, s),
+        "threebit_decompress_add": lambda c, s, out: cuda_ops.plan_threebit_decompress_add(launcher, TINY, c, s, out),
     }
 
 
@@ -180,3 +186,68 @@ def test_the_per_parameter_benchmark_runs_and_reports_ratios(tmp_path):
     assert out.exists() and [c["spec"] for c in results["cases"]] == ["topk:0.01", "twobit:rms"]
     assert all(c["ratio"] > 0 and c["ratio_min"] <= c["ratio"] <= c["ratio_max"] for c in results["cases"])
     assert sum(bench_per_parameter.mixed_sizes(2**24, 100)) == 2**24
+
+
+@pytest.mark.parametrize("residuals", ["none", "in-place", "separate"])
+@pytest.mark.parametrize("spec", ["twobit:chunk", "threebit"])
+def test_the_batched_ops_write_what_the_per_part_ops_write(backend, spec, residuals):
+    """The quantizers with batched ops over a group's parts (one call a group) against the base's own op,
+    called part by part through its payload views: payload, residual and decode bitwise equal."""
+    base = gradcomp.from_spec(spec)
+    grouped = PerParameter(base, NUMELS, dense_below=DENSE_BELOW)
+    assert grouped._plan(torch.float32).batched  # the fast path is the one under test
+    grad, residual = make(sum(NUMELS), torch.float32, seed=11)
+    res_in = None if residuals == "none" else residual.clone()
+    res_out = {"none": None, "in-place": res_in, "separate": torch.full_like(residual, float("nan"))}[residuals]
+    payload = grouped.compress(grad, res_in, res_out, backend=backend)
+    expected_residual = torch.full_like(residual, float("nan"))
+    for part, own in grouped.parts_of(payload):
+        lo, hi = part.offset, part.offset + part.numel
+        if part.dense:
+            expected_residual[lo:hi] = 0.0 if residuals == "none" else res_out[lo:hi]
+            continue
+        alone = base.compress(grad[lo:hi], None if res_in is None else residual[lo:hi], expected_residual[lo:hi],
+                              backend=backend)
+        assert torch.equal(own.buffer, alone.buffer), f"part at {lo}"
+        out, alone_out = torch.randn(part.numel), None
+        alone_out = out.clone()
+        grouped_out = torch.zeros(sum(NUMELS))
+        grouped_out[lo:hi] = out
+        base.decompress_add(alone, alone_out, backend=backend)
+        grouped.decompress_add(payload, grouped_out, backend=backend)
+        assert torch.equal(grouped_out[lo:hi], alone_out)
+    if res_out is not None:
+        compressed = torch.tensor([not part.dense for part in grouped.parts for _ in range(part.numel)])
+        assert torch.equal(res_out[compressed], expected_residual[compressed])
+
+
+@pytest.mark.parametrize("spec", ["twobit:chunk", "threebit"])
+def test_the_batched_check_accepts_exactly_what_the_parts_accept(spec):
+    """Every single-word corruption of a group's payload: the group's check (a few reductions over every
+    part first) rejects it exactly when a part's own check does, naming the parameter."""
+    grouped = PerParameter(gradcomp.from_spec(spec), NUMELS, dense_below=DENSE_BELOW)
+    grad, _ = make(sum(NUMELS), torch.float32, seed=5)
+    payload = grouped.compress(grad)
+    validate_payload(grouped, payload, sum(NUMELS), rank=0)
+    words = payload.buffer.view(torch.int32)
+    generator = torch.Generator().manual_seed(0)
+    patterns = [-1, 1 << 30, 0x40000001, 0x7F800000, 0x7FC00000, 0xFF800000 - (1 << 32), 3 << 28, 1]
+    rejected = 0
+    for word in torch.randperm(words.numel(), generator=generator)[:160].tolist() + [words.numel() - 1]:
+        for pattern in patterns:
+            bad = Payload(payload.layout, payload.buffer.clone())
+            bad.buffer.view(torch.int32)[word] = pattern
+            by_part = None
+            for number, (part, own) in enumerate(grouped.parts_of(bad)):
+                if not part.dense:
+                    try:
+                        grouped.base.check_payload(own, part.numel)
+                    except ValueError:
+                        by_part = by_part if by_part is not None else number
+            if by_part is None:
+                validate_payload(grouped, bad, sum(NUMELS), rank=1)
+            else:
+                rejected += 1
+                with pytest.raises(PayloadError, match=rf"rank 1.*parameter {by_part} of the group"):
+                    validate_payload(grouped, bad, sum(NUMELS), rank=1)
+    assert rejected > 100

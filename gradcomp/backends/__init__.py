@@ -16,6 +16,9 @@ op                       signature (all tensors 1-D and contiguous)
 ``topk_decompress_add``  ``(values, indices, out)``
 =======================  ===========================================================
 
+The four chunk-scaled quantizer ops (:data:`PART_OPS`) also run over every parameter of a group in
+one call, :func:`kernel_parts` (signatures in :mod:`gradcomp.backends.parts`).
+
 Shared conventions:
 
 * ``grad`` is float32, float16 or bfloat16 with ``n`` elements. The compensated value is
@@ -140,14 +143,7 @@ def implements(op: str, backend: str) -> Callable[[Callable], Callable]:
     """Decorator: ``fn`` is the implementation of ``op`` on ``backend`` (an entry of :data:`KERNELS`)."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; ops are {OPS}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; backends are {BACKENDS}")
-
-    def decorate(fn: Callable) -> Callable:
-        KERNELS[(op, backend)] = fn
-        return fn
-
-    return decorate
+    return _register(op, backend)
 
 
 def _load(backend: str) -> bool:
@@ -206,6 +202,44 @@ def resolve_backend(device, backend: Optional[str] = None) -> str:
     _load("torch")
     _log_choice(device, "torch", f"automatic; {preferred!r} is not available: {_import_errors.get(preferred)}")
     return "torch"
+
+
+#: The ops with a batched form over the parts of one flat group (:mod:`gradcomp.backends.parts`).
+PART_OPS = ("twobit_chunk_compress", "twobit_chunk_decompress_add", "threebit_compress", "threebit_decompress_add")
+
+
+def implements_parts(op: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` is ``backend``'s batched form of ``op`` over parts (:func:`kernel_parts`), kept in
+    :data:`KERNELS` under ``(op + "/parts", backend)``."""
+    if op not in PART_OPS:
+        raise ValueError(f"op {op!r} has no batched form; those are {PART_OPS}")
+    return _register(f"{op}/parts", backend)
+
+
+def _register(key: str, backend: str) -> Callable[[Callable], Callable]:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; backends are {BACKENDS}")
+
+    def decorate(fn: Callable) -> Callable:
+        KERNELS[(key, backend)] = fn
+        return fn
+
+    return decorate
+
+
+def kernel_parts(op: str, device, backend: Optional[str] = None) -> Callable:
+    """``op`` over the parts of one flat group in one call (signatures in :mod:`gradcomp.backends.parts`):
+    the backend's batched form where it has one, else a loop over :func:`kernel`'s op, part by part. Both
+    write bitwise what the op would, part by part."""
+    if op not in PART_OPS:
+        raise ValueError(f"op {op!r} has no batched form; those are {PART_OPS}")
+    chosen = resolve_backend(device, backend)
+    batched = KERNELS.get((f"{op}/parts", chosen))
+    if batched is not None:
+        return batched
+    from gradcomp.backends import parts
+
+    return parts.looped(op, kernel(op, device, chosen))
 
 
 def kernel(op: str, device, backend: Optional[str] = None) -> Callable:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Tuple
 
 import torch
 
@@ -63,6 +63,9 @@ class Compressor(abc.ABC):
     #: Whether a payload sends some entries whole and the rest not at all (top-k), so that
     #: :meth:`sent_indices` names them; quantizers send every entry approximately.
     sparsifies: ClassVar[bool] = False
+    #: ``(compress op, decompress_add op)`` with a batched form over a group's parts
+    #: (:mod:`gradcomp.backends.parts`), for a payload that is ``codes`` then ``scales``; ``None`` if none.
+    part_ops: Optional[Tuple[str, str]] = None
 
     @abc.abstractmethod
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:

@@ -27,6 +27,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from gradcomp.backends import kernel_parts
+from gradcomp.backends.parts import Part, PartIndex, part_index, parts_valid
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import check_layout
@@ -38,6 +40,15 @@ class _Part(NamedTuple):
     offset: int  # first element of the parameter in the flat group
     numel: int
     dense: bool  # sent whole, in the gradient's dtype
+
+
+class _Plan(NamedTuple):
+    """A group's payload for one dtype: the whole layout, each part's ``(byte offset, own layout)``, and for
+    a base with batched ops (``part_ops``) the compressed parts' rows and validation index."""
+    whole: PayloadLayout
+    placed: List[Tuple[int, PayloadLayout]]
+    batched: Tuple[Part, ...]
+    index: Optional[PartIndex]
 
 
 class PerParameter(Compressor):
@@ -66,8 +77,8 @@ class PerParameter(Compressor):
         self._layouts = {}
 
     # -- layout ---------------------------------------------------------------------------
-    def _part_layouts(self, dtype: torch.dtype) -> Tuple[PayloadLayout, List[Tuple[int, PayloadLayout]]]:
-        """The whole layout and, per part, ``(byte offset, the part's own layout)``."""
+    def _plan(self, dtype: torch.dtype) -> _Plan:
+        """The group's :class:`_Plan` for ``dtype`` (built once)."""
         cached = self._layouts.get(dtype)
         if cached is None:
             specs, placed, start = [], [], 0
@@ -83,27 +94,38 @@ class PerParameter(Compressor):
             # every layout aligns segments and totals to 8 bytes.
             if whole.nbytes != start:
                 raise AssertionError(f"part layouts do not tile: {whole.nbytes} != {start}")
-            cached = self._layouts[dtype] = (whole, placed)
+            batched = ()
+            if self.base.part_ops is not None:  # codes then scales: their first int32 words in the buffer
+                batched = tuple(Part(part.offset, part.numel, (at + own.segments[0].offset) // 4,
+                                     (at + own.segments[1].offset) // 4)
+                                for part, (at, own) in zip(self.parts, placed) if not part.dense)
+            index = part_index(self.base.part_ops[0], batched) if self.base.part_ops is not None else None
+            cached = self._layouts[dtype] = _Plan(whole, placed, batched, index)
         return cached
 
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:
         if numel != self.numel:
             raise ValueError(f"{self!r} lays out {self.numel} elements, asked for {numel}")
-        return self._part_layouts(dtype)[0]
+        return self._plan(dtype).whole
 
     def parts_of(self, payload: Payload, dtype: Optional[torch.dtype] = None) -> List[Tuple[_Part, Payload]]:
         """Each part with its own payload, a view into ``payload``'s buffer."""
         dtype = dtype if dtype is not None else check_layout(self, payload, self.numel)
-        placed = self._part_layouts(dtype)[1]
+        placed = self._plan(dtype).placed
         return [(part, Payload(own, payload.buffer[start:start + own.nbytes]))
                 for part, (start, own) in zip(self.parts, placed)]
 
     # -- compress / decode ------------------------------------------------------------------
     def compress(self, tensor, residual=None, residual_out=None, backend: Optional[str] = None) -> Payload:
         """Each part compressed on its own (see :meth:`Compressor.compress`); ``tensor`` is not
-        mutated, ``residual_out`` receives every part's ``acc - decompress``."""
+        mutated, ``residual_out`` receives every part's ``acc - decompress``. A base with batched ops
+        compresses every compressed part in one call, bitwise as part by part."""
         check_gradient(tensor)
-        payload = self.layout(tensor.numel(), tensor.dtype).allocate(tensor.device)
+        plan = self._plan(tensor.dtype)
+        payload = plan.whole.allocate(tensor.device)
+        if plan.index is not None and plan.batched:
+            kernel_parts(self.base.part_ops[0], tensor.device, backend)(
+                tensor, residual, residual_out, payload.buffer.view(torch.int32), plan.batched)
         for part, own in self.parts_of(payload, tensor.dtype):
             lo, hi = part.offset, part.offset + part.numel
             piece = tensor[lo:hi]
@@ -115,30 +137,42 @@ class PerParameter(Compressor):
                 values.copy_(acc)
                 if res_out is not None:
                     torch.sub(acc, values.float(), out=res_out)
-            else:
+            elif plan.index is None:
                 # The base writes its own small payload (its kernels allocate it); copying k
                 # entries into place costs nothing next to the pass over the part.
                 own.buffer.copy_(self.base.compress(piece, res_in, res_out, backend=backend).buffer)
         return payload
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
-        for part, own in self.parts_of(payload):
+        dtype = check_layout(self, payload, self.numel)
+        plan = self._plan(dtype)
+        if plan.index is not None and plan.batched:
+            kernel_parts(self.base.part_ops[1], out.device, backend)(payload.buffer.view(torch.int32),
+                                                                     plan.batched, out)
+        for part, own in self.parts_of(payload, dtype):
             target = out[part.offset:part.offset + part.numel]
             if part.dense:
                 target.add_(own[own.layout.segments[0].name].float())
-            else:
+            elif plan.index is None:
                 self.base.decompress_add(own, target, backend)
 
     def check_payload(self, payload: Payload, numel: int) -> None:
         """The layout, then every compressed part by the base's own check (dense parts carry
-        plain values: a non-finite one only makes the step's average non-finite)."""
+        plain values: a non-finite one only makes the step's average non-finite). A base with batched
+        ops checks every part in a few reductions first; only a payload that fails them is checked part
+        by part, for the message."""
         dtype = check_layout(self, payload, numel)
-        for index, (part, own) in enumerate(self.parts_of(payload, dtype)):
+        index = self._plan(dtype).index
+        if index is not None and parts_valid(payload.buffer.view(torch.int32), index):
+            return
+        for number, (part, own) in enumerate(self.parts_of(payload, dtype)):
             if not part.dense:
                 try:
                     self.base.check_payload(own, part.numel)
                 except ValueError as error:
-                    raise ValueError(f"parameter {index} of the group ({part.numel} elements): {error}") from error
+                    raise ValueError(f"parameter {number} of the group ({part.numel} elements): {error}") from error
+        if index is not None:
+            raise AssertionError(f"{self!r}: the batched check rejected a payload every part's check accepts")
 
     def sent_indices(self, payload: Payload) -> Optional[torch.Tensor]:
         """Group positions the compressed parts sent whole (int64), for a sparsifying base."""

@@ -72,6 +72,11 @@ class TwoBit(Compressor):
         if self.threshold <= 0 or not math.isfinite(self.threshold):
             raise ValueError(f"TwoBit(threshold={threshold!r}) is not a positive finite float32")
 
+    @property
+    def part_ops(self):
+        """The chunk mode's batched ops (its payload is ``codes`` then ``scales``); ``None`` otherwise."""
+        return ("twobit_chunk_compress", "twobit_chunk_decompress_add") if self.chunked else None
+
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:
         codes = ("codes", torch.int32, (numel + 15) // 16)
         if self.chunked:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gradcomp.backends import checks, implements
+from gradcomp.backends import checks, implements, implements_parts
 from gradcomp.backends.numba import threebit, topk, topk_decode, twobit, twobit_chunk
 from gradcomp.backends.numba.concurrency import serialized
+from gradcomp.backends.parts import check_parts, geometry
 
 # Half-precision tensors cross into Numba as their bits; the integer dtype names the format.
 _HALF_BITS = {torch.float16: np.int16, torch.bfloat16: np.uint16}
@@ -112,3 +113,49 @@ def topk_decompress_add(values, indices, out) -> None:
     if topk_decode.decompress_add_kernel(as_array(values), as_array(indices), as_array(out)):
         problem = checks.topk_index_problem(indices, n)
         raise ValueError(f"topk_decompress_add: {problem}; nothing was written")
+
+
+# -- the batched forms over a group's parts (gradcomp.backends.parts): one lock, one view of each array ------
+def _compress_parts(op: str, compress_kernel):
+    per_word, chunk, _ = geometry(op)
+
+    @implements_parts(op, "numba")
+    @serialized
+    def compress_parts(grad, residual_in, residual_out, words, parts) -> None:
+        n = checks.check_compress(op, grad, residual_in, residual_out)
+        checks.check_vector(op, "words", words, (torch.int32,))
+        check_parts(op, parts, n, words.numel())
+        g, r_in, r_out = as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out)
+        w = as_array(words).view(np.uint32)
+        f = w.view(np.float32)
+        for lo, numel, codes, scales in parts:
+            hi = lo + numel
+            compress_kernel(g[lo:hi], None if r_in is None else r_in[lo:hi],
+                            r_out if r_out is None or r_out is True else r_out[lo:hi],
+                            w[codes: codes + -(-numel // per_word)], f[scales: scales + -(-numel // chunk)])
+
+    return compress_parts
+
+
+def _decompress_parts(op: str, decompress_kernel):
+    per_word, chunk, _ = geometry(op)
+
+    @implements_parts(op, "numba")
+    @serialized
+    def decompress_add_parts(words, parts, out) -> None:
+        checks.check_vector(op, "out", out, (torch.float32,))
+        checks.check_vector(op, "words", words, (torch.int32,))
+        check_parts(op, parts, out.numel(), words.numel())
+        w, o = as_array(words).view(np.uint32), as_array(out)
+        f = w.view(np.float32)
+        for lo, numel, codes, scales in parts:
+            decompress_kernel(w[codes: codes + -(-numel // per_word)], f[scales: scales + -(-numel // chunk)],
+                              o[lo: lo + numel])
+
+    return decompress_add_parts
+
+
+threebit_compress_parts = _compress_parts("threebit_compress", threebit.compress_kernel)
+threebit_decompress_add_parts = _decompress_parts("threebit_decompress_add", threebit.decompress_add_kernel)
+twobit_chunk_compress_parts = _compress_parts("twobit_chunk_compress", twobit_chunk.compress_kernel)
+twobit_chunk_decompress_add_parts = _decompress_parts("twobit_chunk_decompress_add", twobit_chunk.decompress_add_kernel)
