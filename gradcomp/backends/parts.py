@@ -49,8 +49,7 @@ _GEOMETRY = {"threebit": (10, 128, 3), "twobit_chunk": (16, 64, 2)}
 
 def geometry(op: str) -> Tuple[int, int, int]:
     """``(codes per word, elements per scale, bits per code)`` of ``op``'s family."""
-    family = op.rsplit("_", 1)[0] if op.endswith("_compress") else op[: -len("_decompress_add")]
-    return _GEOMETRY[family]
+    return _GEOMETRY[op.replace("_decompress_add", "").replace("_compress", "")]
 
 
 def check_parts(op: str, parts: Sequence[Part], n: int, words: int) -> None:

@@ -44,10 +44,11 @@ class _Part(NamedTuple):
 
 class _Plan(NamedTuple):
     """A group's payload for one dtype: the whole layout, each part's ``(byte offset, own layout)``, and for
-    a base with batched ops (``part_ops``) the compressed parts' rows and validation index."""
+    a base with batched ops (``part_ops``) the compressed parts' rows and their validation index (else
+    ``None``: part by part)."""
     whole: PayloadLayout
     placed: List[Tuple[int, PayloadLayout]]
-    batched: Tuple[Part, ...]
+    batched: Optional[Tuple[Part, ...]]
     index: Optional[PartIndex]
 
 
@@ -94,12 +95,12 @@ class PerParameter(Compressor):
             # every layout aligns segments and totals to 8 bytes.
             if whole.nbytes != start:
                 raise AssertionError(f"part layouts do not tile: {whole.nbytes} != {start}")
-            batched = ()
+            batched = index = None
             if self.base.part_ops is not None:  # codes then scales: their first int32 words in the buffer
                 batched = tuple(Part(part.offset, part.numel, (at + own.segments[0].offset) // 4,
                                      (at + own.segments[1].offset) // 4)
                                 for part, (at, own) in zip(self.parts, placed) if not part.dense)
-            index = part_index(self.base.part_ops[0], batched) if self.base.part_ops is not None else None
+                index = part_index(self.base.part_ops[0], batched)
             cached = self._layouts[dtype] = _Plan(whole, placed, batched, index)
         return cached
 
@@ -123,7 +124,7 @@ class PerParameter(Compressor):
         check_gradient(tensor)
         plan = self._plan(tensor.dtype)
         payload = plan.whole.allocate(tensor.device)
-        if plan.index is not None and plan.batched:
+        if plan.batched:
             kernel_parts(self.base.part_ops[0], tensor.device, backend)(
                 tensor, residual, residual_out, payload.buffer.view(torch.int32), plan.batched)
         for part, own in self.parts_of(payload, tensor.dtype):
@@ -137,7 +138,7 @@ class PerParameter(Compressor):
                 values.copy_(acc)
                 if res_out is not None:
                     torch.sub(acc, values.float(), out=res_out)
-            elif plan.index is None:
+            elif plan.batched is None:
                 # The base writes its own small payload (its kernels allocate it); copying k
                 # entries into place costs nothing next to the pass over the part.
                 own.buffer.copy_(self.base.compress(piece, res_in, res_out, backend=backend).buffer)
@@ -146,14 +147,14 @@ class PerParameter(Compressor):
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         dtype = check_layout(self, payload, self.numel)
         plan = self._plan(dtype)
-        if plan.index is not None and plan.batched:
+        if plan.batched:
             kernel_parts(self.base.part_ops[1], out.device, backend)(payload.buffer.view(torch.int32),
                                                                      plan.batched, out)
         for part, own in self.parts_of(payload, dtype):
             target = out[part.offset:part.offset + part.numel]
             if part.dense:
                 target.add_(own[own.layout.segments[0].name].float())
-            elif plan.index is None:
+            elif plan.batched is None:
                 self.base.decompress_add(own, target, backend)
 
     def check_payload(self, payload: Payload, numel: int) -> None:
