@@ -23,7 +23,7 @@ rank.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,6 +50,9 @@ class _Plan(NamedTuple):
     placed: List[Tuple[int, PayloadLayout]]
     batched: Optional[Tuple[Part, ...]]
     index: Optional[PartIndex]
+    #: The dense parts' elements in the group and their slots in the buffer viewed as the dtype (int64, one
+    #: pair per device: a gather and a scatter for all of them), or ``None`` when no part is dense.
+    dense: Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]]
 
 
 class PerParameter(Compressor):
@@ -101,8 +104,15 @@ class PerParameter(Compressor):
                                      (at + own.segments[1].offset) // 4)
                                 for part, (at, own) in zip(self.parts, placed) if not part.dense)
                 index = part_index(self.base.part_ops[0], batched)
-            cached = self._layouts[dtype] = _Plan(whole, placed, batched, index)
+            cached = self._layouts[dtype] = _Plan(whole, placed, batched, index, self._dense_plan(placed, dtype))
         return cached
+
+    def _dense_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
+        """:attr:`_Plan.dense` of the parts ``placed`` (each a dense part's values at its start)."""
+        pairs = [(torch.arange(part.offset, part.offset + part.numel),
+                  torch.arange(at // dtype.itemsize, at // dtype.itemsize + part.numel))
+                 for part, (at, _) in zip(self.parts, placed) if part.dense]
+        return {"cpu": tuple(torch.cat(column) for column in zip(*pairs))} if pairs else None
 
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:
         if numel != self.numel:
@@ -117,31 +127,42 @@ class PerParameter(Compressor):
                 for part, (start, own) in zip(self.parts, placed)]
 
     # -- compress / decode ------------------------------------------------------------------
+    def _dense_index(self, plan: _Plan, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``plan``'s dense elements and slots on ``device`` (copied there once)."""
+        held = plan.dense.get(str(device))
+        if held is None:
+            held = plan.dense[str(device)] = tuple(index.to(device) for index in plan.dense["cpu"])
+        return held
+
     def compress(self, tensor, residual=None, residual_out=None, backend: Optional[str] = None) -> Payload:
         """Each part compressed on its own (see :meth:`Compressor.compress`); ``tensor`` is not
-        mutated, ``residual_out`` receives every part's ``acc - decompress``. A base with batched ops
-        compresses every compressed part in one call, bitwise as part by part."""
+        mutated, ``residual_out`` receives every part's ``acc - decompress``. The dense parts are
+        written by one gather and one scatter, and a base with batched ops compresses every other part in
+        one call, bitwise as part by part."""
         check_gradient(tensor)
         plan = self._plan(tensor.dtype)
         payload = plan.whole.allocate(tensor.device)
         if plan.batched:
             kernel_parts(self.base.part_ops[0], tensor.device, backend)(
                 tensor, residual, residual_out, payload.buffer.view(torch.int32), plan.batched)
-        for part, own in self.parts_of(payload, tensor.dtype):
-            lo, hi = part.offset, part.offset + part.numel
-            piece = tensor[lo:hi]
-            res_in = residual[lo:hi] if residual is not None else None
-            res_out = residual_out[lo:hi] if residual_out is not None else None
-            if part.dense:
-                values = own[own.layout.segments[0].name]
-                acc = piece.float() if res_in is None else piece.float() + res_in
-                values.copy_(acc)
-                if res_out is not None:
-                    torch.sub(acc, values.float(), out=res_out)
-            elif plan.batched is None:
-                # The base writes its own small payload (its kernels allocate it); copying k
-                # entries into place costs nothing next to the pass over the part.
-                own.buffer.copy_(self.base.compress(piece, res_in, res_out, backend=backend).buffer)
+        elif plan.batched is None:
+            for part, own in self.parts_of(payload, tensor.dtype):
+                if not part.dense:
+                    # The base writes its own small payload (its kernels allocate it); copying k
+                    # entries into place costs nothing next to the pass over the part.
+                    piece = slice(part.offset, part.offset + part.numel)
+                    own.buffer.copy_(self.base.compress(
+                        tensor[piece], None if residual is None else residual[piece],
+                        None if residual_out is None else residual_out[piece], backend=backend).buffer)
+        if plan.dense is not None:
+            elements, slots = self._dense_index(plan, tensor.device)
+            acc = tensor.index_select(0, elements).float()
+            if residual is not None:
+                acc = acc + residual.index_select(0, elements)
+            values = acc.to(tensor.dtype)
+            payload.buffer.view(tensor.dtype).index_copy_(0, slots, values)
+            if residual_out is not None:
+                residual_out.index_copy_(0, elements, acc - values.float())
         return payload
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
@@ -150,12 +171,13 @@ class PerParameter(Compressor):
         if plan.batched:
             kernel_parts(self.base.part_ops[1], out.device, backend)(payload.buffer.view(torch.int32),
                                                                      plan.batched, out)
-        for part, own in self.parts_of(payload, dtype):
-            target = out[part.offset:part.offset + part.numel]
-            if part.dense:
-                target.add_(own[own.layout.segments[0].name].float())
-            elif plan.batched is None:
-                self.base.decompress_add(own, target, backend)
+        elif plan.batched is None:
+            for part, own in self.parts_of(payload, dtype):
+                if not part.dense:
+                    self.base.decompress_add(own, out[part.offset:part.offset + part.numel], backend)
+        if plan.dense is not None:
+            elements, slots = self._dense_index(plan, out.device)
+            out.index_add_(0, elements, payload.buffer.view(dtype).index_select(0, slots).float())
 
     def check_payload(self, payload: Payload, numel: int) -> None:
         """The layout, then every compressed part by the base's own check (dense parts carry
