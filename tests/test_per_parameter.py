@@ -221,10 +221,11 @@ def test_the_batched_ops_write_what_the_per_part_ops_write(backend, spec, residu
         assert torch.equal(res_out[compressed], expected_residual[compressed])
 
 
-@pytest.mark.parametrize("spec", ["twobit:chunk", "threebit"])
+@pytest.mark.parametrize("spec", ["twobit:chunk", "threebit", "topk:0.01", "topk:0.1"])
 def test_the_batched_check_accepts_exactly_what_the_parts_accept(spec):
-    """Every single-word corruption of a group's payload: the group's check (a few reductions over every
-    part first) rejects it exactly when a part's own check does, naming the parameter."""
+    """Every single-word corruption of a group's payload (and, for top-k, an index repeated or moved):
+    the group's check (a few reductions over every part first) rejects it exactly when a part's own check
+    does, naming the parameter, and a group's decode writes what the parts' decodes write, or raises."""
     grouped = PerParameter(gradcomp.from_spec(spec), NUMELS, dense_below=DENSE_BELOW)
     grad, _ = make(sum(NUMELS), torch.float32, seed=5)
     payload = grouped.compress(grad)
@@ -234,7 +235,7 @@ def test_the_batched_check_accepts_exactly_what_the_parts_accept(spec):
     patterns = [-1, 1 << 30, 0x40000001, 0x7F800000, 0x7FC00000, 0xFF800000 - (1 << 32), 3 << 28, 1]
     rejected = 0
     for word in torch.randperm(words.numel(), generator=generator)[:160].tolist() + [words.numel() - 1]:
-        for pattern in patterns:
+        for pattern in patterns + [int(words[word - 1]), int(words[word]) + 1]:
             bad = Payload(payload.layout, payload.buffer.clone())
             bad.buffer.view(torch.int32)[word] = pattern
             by_part = None
@@ -246,7 +247,19 @@ def test_the_batched_check_accepts_exactly_what_the_parts_accept(spec):
                         by_part = by_part if by_part is not None else number
             if by_part is None:
                 validate_payload(grouped, bad, sum(NUMELS), rank=1)
+                decoded, expected = torch.zeros(sum(NUMELS)), torch.zeros(sum(NUMELS))
+                grouped.decompress_add(bad, decoded)
+                for part, own in grouped.parts_of(bad):
+                    target = expected[part.offset:part.offset + part.numel]
+                    if part.dense:
+                        target.add_(own[own.layout.segments[0].name].float())
+                    else:
+                        grouped.base.decompress_add(own, target)
+                torch.testing.assert_close(decoded, expected, rtol=0, atol=0, equal_nan=True)
             else:
+                if spec.startswith("topk"):  # its decoders check indices themselves (quantizers: any code decodes)
+                    with pytest.raises(ValueError):
+                        grouped.decompress_add(bad, torch.zeros(sum(NUMELS)))
                 rejected += 1
                 with pytest.raises(PayloadError, match=rf"rank 1.*parameter {by_part} of the group"):
                     validate_payload(grouped, bad, sum(NUMELS), rank=1)

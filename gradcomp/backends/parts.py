@@ -23,16 +23,19 @@ the same slices.
 
 :func:`parts_valid` is the received payload's check, the quantizers' ``check_payload`` rules over every part
 in a few reductions; a payload it rejects is checked again part by part, which names the part and the fault.
+:func:`sparse_entries` is top-k's: every part's indices checked at once, and their group positions, which
+decode every part with one ``index_add_``.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from gradcomp.validation import within
 
-__all__ = ["Part", "PartIndex", "geometry", "check_parts", "looped", "part_index", "parts_valid"]
+__all__ = ["Part", "PartIndex", "SparseIndex", "geometry", "check_parts", "looped", "part_index", "parts_valid",
+           "sparse_entries"]
 
 
 class Part(NamedTuple):
@@ -122,3 +125,27 @@ def parts_valid(words: torch.Tensor, index: PartIndex) -> bool:
     if index.last.numel() and bool(((words[index.last] >> index.shifts) != 0).any()):
         return False
     return within(words.view(torch.float32)[index.scales], 0, torch.finfo(torch.float32).max)
+
+
+class SparseIndex(NamedTuple):
+    """Where a group's top-k parts keep their entries (int64, one row per entry, in part order): the
+    values' slots in the buffer viewed as the values' dtype, the indices' slots in its int32 view, and
+    each entry's part's first element and element count."""
+    values: torch.Tensor
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    limits: torch.Tensor
+
+    def to(self, device) -> "SparseIndex":
+        return SparseIndex(*(column.to(device) for column in self))
+
+
+def sparse_entries(words: torch.Tensor, index: SparseIndex) -> Optional[torch.Tensor]:
+    """The group positions (int64) of every top-k part's entries, or ``None`` unless each part's indices
+    strictly increase inside ``[0, numel)`` (the top-k check of every part in three reductions: as the
+    parts' ranges follow one another, that is every index in its part's range and the group positions
+    strictly increasing). ``words``: the buffer's int32 view, not mutated."""
+    local = words.index_select(0, index.indices).long()
+    group = local + index.offsets
+    ok = bool((local >= 0).all() & (local < index.limits).all() & (group[1:] > group[:-1]).all())
+    return group if ok else None

@@ -28,8 +28,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from gradcomp.backends import kernel_parts
-from gradcomp.backends.parts import Part, PartIndex, part_index, parts_valid
+from gradcomp.backends.parts import Part, PartIndex, SparseIndex, part_index, parts_valid, sparse_entries
 from gradcomp.compressors.base import Compressor, check_gradient
+from gradcomp.compressors.topk import TopK
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import check_layout
 
@@ -53,6 +54,8 @@ class _Plan(NamedTuple):
     #: The dense parts' elements in the group and their slots in the buffer viewed as the dtype (int64, one
     #: pair per device: a gather and a scatter for all of them), or ``None`` when no part is dense.
     dense: Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]]
+    #: A top-k base's entries of every part, by device (:class:`SparseIndex`), or ``None``.
+    sparse: Optional[Dict[str, SparseIndex]]
 
 
 class PerParameter(Compressor):
@@ -104,8 +107,23 @@ class PerParameter(Compressor):
                                      (at + own.segments[1].offset) // 4)
                                 for part, (at, own) in zip(self.parts, placed) if not part.dense)
                 index = part_index(self.base.part_ops[0], batched)
-            cached = self._layouts[dtype] = _Plan(whole, placed, batched, index, self._dense_plan(placed, dtype))
+            cached = self._layouts[dtype] = _Plan(whole, placed, batched, index, self._dense_plan(placed, dtype),
+                                                  self._sparse_plan(placed, dtype))
         return cached
+
+    def _sparse_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, SparseIndex]]:
+        """:attr:`_Plan.sparse` of the parts ``placed``: for a :class:`TopK` base with int32 indices."""
+        if type(self.base) is not TopK or self.numel >= 2**31:
+            return None
+        rows = []
+        for part, (at, own) in zip(self.parts, placed):
+            if not part.dense:
+                values, indices = own.segments
+                first_value, first_index = (at + values.offset) // dtype.itemsize, (at + indices.offset) // 4
+                rows.append((torch.arange(first_value, first_value + values.numel),
+                             torch.arange(first_index, first_index + indices.numel),
+                             torch.full((values.numel,), part.offset), torch.full((values.numel,), part.numel)))
+        return {"cpu": SparseIndex(*(torch.cat(column) for column in zip(*rows)))} if rows else None
 
     def _dense_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
         """:attr:`_Plan.dense` of the parts ``placed`` (each a dense part's values at its start)."""
@@ -127,12 +145,15 @@ class PerParameter(Compressor):
                 for part, (start, own) in zip(self.parts, placed)]
 
     # -- compress / decode ------------------------------------------------------------------
-    def _dense_index(self, plan: _Plan, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``plan``'s dense elements and slots on ``device`` (copied there once)."""
-        held = plan.dense.get(str(device))
-        if held is None:
-            held = plan.dense[str(device)] = tuple(index.to(device) for index in plan.dense["cpu"])
-        return held
+    @staticmethod
+    def _on(held: dict, device):
+        """A plan's index tensors on ``device`` (copied there once)."""
+        found = held.get(str(device))
+        if found is None:
+            cpu = held["cpu"]
+            found = held[str(device)] = cpu.to(device) if isinstance(cpu, SparseIndex) else tuple(
+                index.to(device) for index in cpu)
+        return found
 
     def compress(self, tensor, residual=None, residual_out=None, backend: Optional[str] = None) -> Payload:
         """Each part compressed on its own (see :meth:`Compressor.compress`); ``tensor`` is not
@@ -155,7 +176,7 @@ class PerParameter(Compressor):
                         tensor[piece], None if residual is None else residual[piece],
                         None if residual_out is None else residual_out[piece], backend=backend).buffer)
         if plan.dense is not None:
-            elements, slots = self._dense_index(plan, tensor.device)
+            elements, slots = self._on(plan.dense, tensor.device)
             acc = tensor.index_select(0, elements).float()
             if residual is not None:
                 acc = acc + residual.index_select(0, elements)
@@ -171,13 +192,25 @@ class PerParameter(Compressor):
         if plan.batched:
             kernel_parts(self.base.part_ops[1], out.device, backend)(payload.buffer.view(torch.int32),
                                                                      plan.batched, out)
+        elif plan.sparse is not None and self._sparse_add(payload, plan, dtype, out):
+            pass
         elif plan.batched is None:
             for part, own in self.parts_of(payload, dtype):
                 if not part.dense:
                     self.base.decompress_add(own, out[part.offset:part.offset + part.numel], backend)
         if plan.dense is not None:
-            elements, slots = self._dense_index(plan, out.device)
+            elements, slots = self._on(plan.dense, out.device)
             out.index_add_(0, elements, payload.buffer.view(dtype).index_select(0, slots).float())
+
+    def _sparse_add(self, payload: Payload, plan: _Plan, dtype: torch.dtype, out: torch.Tensor) -> bool:
+        """``out += `` every top-k part's entries in one ``index_add_`` (as the kernels, ``out[i] + value``),
+        if every part's indices are valid; ``False`` (nothing written) if not."""
+        index = self._on(plan.sparse, out.device)
+        entries = sparse_entries(payload.buffer.view(torch.int32), index)
+        if entries is None:
+            return False
+        out.index_add_(0, entries, payload.buffer.view(dtype).index_select(0, index.values).float())
+        return True
 
     def check_payload(self, payload: Payload, numel: int) -> None:
         """The layout, then every compressed part by the base's own check (dense parts carry
@@ -185,8 +218,11 @@ class PerParameter(Compressor):
         ops checks every part in a few reductions first; only a payload that fails them is checked part
         by part, for the message."""
         dtype = check_layout(self, payload, numel)
-        index = self._plan(dtype).index
-        if index is not None and parts_valid(payload.buffer.view(torch.int32), index):
+        plan = self._plan(dtype)
+        words = payload.buffer.view(torch.int32)
+        if plan.index is not None and parts_valid(words, plan.index):
+            return
+        if plan.sparse is not None and sparse_entries(words, self._on(plan.sparse, words.device)) is not None:
             return
         for number, (part, own) in enumerate(self.parts_of(payload, dtype)):
             if not part.dense:
@@ -194,7 +230,7 @@ class PerParameter(Compressor):
                     self.base.check_payload(own, part.numel)
                 except ValueError as error:
                     raise ValueError(f"parameter {number} of the group ({part.numel} elements): {error}") from error
-        if index is not None:
+        if plan.index is not None or plan.sparse is not None:
             raise AssertionError(f"{self!r}: the batched check rejected a payload every part's check accepts")
 
     def sent_indices(self, payload: Payload) -> Optional[torch.Tensor]:
