@@ -34,7 +34,7 @@ import torch
 
 from gradcomp.validation import within
 
-__all__ = ["Part", "PartIndex", "SparseIndex", "geometry", "check_parts", "looped", "part_index", "parts_valid",
+__all__ = ["Part", "PartIndex", "SparseParts", "geometry", "check_parts", "looped", "part_index", "parts_valid",
            "sparse_entries"]
 
 
@@ -127,25 +127,30 @@ def parts_valid(words: torch.Tensor, index: PartIndex) -> bool:
     return within(words.view(torch.float32)[index.scales], 0, torch.finfo(torch.float32).max)
 
 
-class SparseIndex(NamedTuple):
-    """Where a group's top-k parts keep their entries (int64, one row per entry, in part order): the
-    values' slots in the buffer viewed as the values' dtype, the indices' slots in its int32 view, and
-    each entry's part's first element and element count."""
+class SparseParts(NamedTuple):
+    """A group's top-k parts (int64 ``[parts]`` each: a few numbers a parameter, so a plan kept for every
+    density of a ramp costs nothing next to the model): entries, where the values (in the values' dtype)
+    and the indices (int32) start in the buffer, the part's first element and element count."""
+    counts: torch.Tensor
     values: torch.Tensor
     indices: torch.Tensor
     offsets: torch.Tensor
     limits: torch.Tensor
 
-    def to(self, device) -> "SparseIndex":
-        return SparseIndex(*(column.to(device) for column in self))
+    def to(self, device) -> "SparseParts":
+        return SparseParts(*(column.to(device) for column in self))
 
 
-def sparse_entries(words: torch.Tensor, index: SparseIndex) -> Optional[torch.Tensor]:
-    """The group positions (int64) of every top-k part's entries, or ``None`` unless each part's indices
-    strictly increase inside ``[0, numel)`` (the top-k check of every part in three reductions: as the
-    parts' ranges follow one another, that is every index in its part's range and the group positions
-    strictly increasing). ``words``: the buffer's int32 view, not mutated."""
-    local = words.index_select(0, index.indices).long()
-    group = local + index.offsets
-    ok = bool((local >= 0).all() & (local < index.limits).all() & (group[1:] > group[:-1]).all())
-    return group if ok else None
+def sparse_entries(words: torch.Tensor, parts: SparseParts) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(group positions, value slots)`` (int64) of every top-k part's entries, or ``None`` unless each
+    part's indices strictly increase inside ``[0, numel)``: the top-k check of every part in three
+    reductions (as the parts' ranges follow one another, that is every index in its part's range and the
+    group positions strictly increasing). ``words``: the buffer's int32 view, not mutated."""
+    total = int(parts.counts.sum())
+    owner = torch.repeat_interleave(torch.arange(parts.counts.numel(), device=words.device), parts.counts,
+                                    output_size=total)
+    rank = torch.arange(total, device=words.device) - (torch.cumsum(parts.counts, 0) - parts.counts)[owner]
+    local = words.index_select(0, parts.indices[owner] + rank).long()
+    group = local + parts.offsets[owner]
+    ok = bool((local >= 0).all() & (local < parts.limits[owner]).all() & (group[1:] > group[:-1]).all())
+    return (group, parts.values[owner] + rank) if ok else None

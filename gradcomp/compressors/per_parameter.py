@@ -28,7 +28,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from gradcomp.backends import kernel_parts
-from gradcomp.backends.parts import Part, PartIndex, SparseIndex, part_index, parts_valid, sparse_entries
+from gradcomp.backends.parts import Part, PartIndex, SparseParts, part_index, parts_valid, sparse_entries
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.topk import TopK
 from gradcomp.payload import Payload, PayloadLayout
@@ -54,8 +54,8 @@ class _Plan(NamedTuple):
     #: The dense parts' elements in the group and their slots in the buffer viewed as the dtype (int64, one
     #: pair per device: a gather and a scatter for all of them), or ``None`` when no part is dense.
     dense: Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]]
-    #: A top-k base's entries of every part, by device (:class:`SparseIndex`), or ``None``.
-    sparse: Optional[Dict[str, SparseIndex]]
+    #: A top-k base's parts, by device (:class:`SparseParts`), or ``None``.
+    sparse: Optional[Dict[str, SparseParts]]
 
 
 class PerParameter(Compressor):
@@ -111,19 +111,14 @@ class PerParameter(Compressor):
                                                   self._sparse_plan(placed, dtype))
         return cached
 
-    def _sparse_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, SparseIndex]]:
+    def _sparse_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, SparseParts]]:
         """:attr:`_Plan.sparse` of the parts ``placed``: for a :class:`TopK` base with int32 indices."""
         if type(self.base) is not TopK or self.numel >= 2**31:
             return None
-        rows = []
-        for part, (at, own) in zip(self.parts, placed):
-            if not part.dense:
-                values, indices = own.segments
-                first_value, first_index = (at + values.offset) // dtype.itemsize, (at + indices.offset) // 4
-                rows.append((torch.arange(first_value, first_value + values.numel),
-                             torch.arange(first_index, first_index + indices.numel),
-                             torch.full((values.numel,), part.offset), torch.full((values.numel,), part.numel)))
-        return {"cpu": SparseIndex(*(torch.cat(column) for column in zip(*rows)))} if rows else None
+        rows = [(own.segments[0].numel, (at + own.segments[0].offset) // dtype.itemsize,
+                 (at + own.segments[1].offset) // 4, part.offset, part.numel)
+                for part, (at, own) in zip(self.parts, placed) if not part.dense]
+        return {"cpu": SparseParts(*(torch.tensor(column) for column in zip(*rows)))} if rows else None
 
     def _dense_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
         """:attr:`_Plan.dense` of the parts ``placed`` (each a dense part's values at its start)."""
@@ -151,7 +146,7 @@ class PerParameter(Compressor):
         found = held.get(str(device))
         if found is None:
             cpu = held["cpu"]
-            found = held[str(device)] = cpu.to(device) if isinstance(cpu, SparseIndex) else tuple(
+            found = held[str(device)] = cpu.to(device) if isinstance(cpu, SparseParts) else tuple(
                 index.to(device) for index in cpu)
         return found
 
@@ -205,11 +200,10 @@ class PerParameter(Compressor):
     def _sparse_add(self, payload: Payload, plan: _Plan, dtype: torch.dtype, out: torch.Tensor) -> bool:
         """``out += `` every top-k part's entries in one ``index_add_`` (as the kernels, ``out[i] + value``),
         if every part's indices are valid; ``False`` (nothing written) if not."""
-        index = self._on(plan.sparse, out.device)
-        entries = sparse_entries(payload.buffer.view(torch.int32), index)
+        entries = sparse_entries(payload.buffer.view(torch.int32), self._on(plan.sparse, out.device))
         if entries is None:
             return False
-        out.index_add_(0, entries, payload.buffer.view(dtype).index_select(0, index.values).float())
+        out.index_add_(0, entries[0], payload.buffer.view(dtype).index_select(0, entries[1]).float())
         return True
 
     def check_payload(self, payload: Payload, numel: int) -> None:
