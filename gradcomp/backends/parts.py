@@ -98,6 +98,9 @@ class PartIndex(NamedTuple):
     scales: torch.Tensor  # every scale
     spare: int  # bits of every word past its codes (3-bit: 2)
 
+    def to(self, device) -> "PartIndex":
+        return PartIndex(*(column.to(device) for column in self[:4]), self.spare)
+
 
 def part_index(op: str, parts: Sequence[Part]) -> PartIndex:
     """The :class:`PartIndex` of ``parts`` under ``op``'s family (built once per layout)."""

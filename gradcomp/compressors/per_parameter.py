@@ -50,7 +50,7 @@ class _Plan(NamedTuple):
     whole: PayloadLayout
     placed: List[Tuple[int, PayloadLayout]]
     batched: Optional[Tuple[Part, ...]]
-    index: Optional[PartIndex]
+    index: Optional[Dict[str, PartIndex]]
     #: The dense parts' elements in the group and their slots in the buffer viewed as the dtype (int64, one
     #: pair per device: a gather and a scatter for all of them), or ``None`` when no part is dense.
     dense: Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]]
@@ -106,7 +106,7 @@ class PerParameter(Compressor):
                 batched = tuple(Part(part.offset, part.numel, (at + own.segments[0].offset) // 4,
                                      (at + own.segments[1].offset) // 4)
                                 for part, (at, own) in zip(self.parts, placed) if not part.dense)
-                index = part_index(self.base.part_ops[0], batched)
+                index = {"cpu": part_index(self.base.part_ops[0], batched)}
             cached = self._layouts[dtype] = _Plan(whole, placed, batched, index, self._dense_plan(placed, dtype),
                                                   self._sparse_plan(placed, dtype))
         return cached
@@ -146,7 +146,7 @@ class PerParameter(Compressor):
         found = held.get(str(device))
         if found is None:
             cpu = held["cpu"]
-            found = held[str(device)] = cpu.to(device) if isinstance(cpu, SparseParts) else tuple(
+            found = held[str(device)] = cpu.to(device) if isinstance(cpu, (PartIndex, SparseParts)) else tuple(
                 index.to(device) for index in cpu)
         return found
 
@@ -214,7 +214,7 @@ class PerParameter(Compressor):
         dtype = check_layout(self, payload, numel)
         plan = self._plan(dtype)
         words = payload.buffer.view(torch.int32)
-        if plan.index is not None and parts_valid(words, plan.index):
+        if plan.index is not None and parts_valid(words, self._on(plan.index, words.device)):
             return
         if plan.sparse is not None and sparse_entries(words, self._on(plan.sparse, words.device)) is not None:
             return
