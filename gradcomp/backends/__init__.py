@@ -101,6 +101,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from gradcomp.backends import parts
+
 OPS = ("twobit_compress", "twobit_decompress_add", "twobit_chunk_compress", "twobit_chunk_decompress_add",
        "threebit_compress", "threebit_decompress_add", "topk_compress", "topk_decompress_add")
 BACKENDS = ("torch", "numba", "cuda")
@@ -235,11 +237,7 @@ def kernel_parts(op: str, device, backend: Optional[str] = None) -> Callable:
         raise ValueError(f"op {op!r} has no batched form; those are {PART_OPS}")
     chosen = resolve_backend(device, backend)
     batched = KERNELS.get((f"{op}/parts", chosen))
-    if batched is not None:
-        return batched
-    from gradcomp.backends import parts
-
-    return parts.looped(op, kernel(op, device, chosen))
+    return batched if batched is not None else parts.looped(op, kernel(op, device, chosen))
 
 
 def kernel(op: str, device, backend: Optional[str] = None) -> Callable:

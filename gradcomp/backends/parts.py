@@ -34,8 +34,8 @@ import torch
 
 from gradcomp.validation import within
 
-__all__ = ["Part", "PartIndex", "SparseParts", "geometry", "check_parts", "looped", "part_index", "parts_valid",
-           "sparse_entries"]
+__all__ = ["Part", "PartIndex", "SparseParts", "geometry", "spans", "check_parts", "looped", "part_index",
+           "parts_valid", "sparse_entries"]
 
 
 class Part(NamedTuple):
@@ -55,24 +55,29 @@ def geometry(op: str) -> Tuple[int, int, int]:
     return _GEOMETRY[op.replace("_decompress_add", "").replace("_compress", "")]
 
 
+def spans(op: str, part: Part) -> Tuple[slice, slice]:
+    """The int32 words of ``part``'s codes and of its scales under ``op``'s family."""
+    per_word, chunk, _ = geometry(op)
+    return (slice(part.codes, part.codes + -(-part.numel // per_word)),
+            slice(part.scales, part.scales + -(-part.numel // chunk)))
+
+
 def check_parts(op: str, parts: Sequence[Part], n: int, words: int) -> None:
     """Raise ``ValueError`` unless every part lies in ``[0, n)`` and its codes and scales in ``words`` words."""
-    per_word, chunk, _ = geometry(op)
     for index, part in enumerate(parts):
-        lo, numel, codes, scales = part
-        if not (0 <= lo and 0 < numel and lo + numel <= n and 0 <= codes and 0 <= scales
-                and codes + -(-numel // per_word) <= words and scales + -(-numel // chunk) <= words):
+        codes, scales = spans(op, part)
+        if not (0 <= part.lo and 0 < part.numel and part.lo + part.numel <= n and 0 <= part.codes
+                and 0 <= part.scales and codes.stop <= words and scales.stop <= words):
             raise ValueError(f"{op}: part {index} {tuple(part)} does not fit {n} elements and {words} words")
 
 
 def looped(op: str, fn: Callable) -> Callable:
     """``op``'s batched signature over ``fn``, the per-part op, called part by part (every backend's form
     where it has no batched one)."""
-    per_word, chunk, _ = geometry(op)
 
     def segments(words, part):
-        codes = words[part.codes: part.codes + -(-part.numel // per_word)]
-        return codes, words[part.scales: part.scales + -(-part.numel // chunk)].view(torch.float32)
+        codes, scales = spans(op, part)
+        return words[codes], words[scales].view(torch.float32)
 
     if op.endswith("_compress"):
         def compress(grad, residual_in, residual_out, words, parts):

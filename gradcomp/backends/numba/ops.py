@@ -14,7 +14,7 @@ import torch
 from gradcomp.backends import checks, implements, implements_parts
 from gradcomp.backends.numba import threebit, topk, topk_decode, twobit, twobit_chunk
 from gradcomp.backends.numba.concurrency import serialized
-from gradcomp.backends.parts import check_parts, geometry
+from gradcomp.backends.parts import check_parts, spans
 
 # Half-precision tensors cross into Numba as their bits; the integer dtype names the format.
 _HALF_BITS = {torch.float16: np.int16, torch.bfloat16: np.uint16}
@@ -117,8 +117,6 @@ def topk_decompress_add(values, indices, out) -> None:
 
 # -- the batched forms over a group's parts (gradcomp.backends.parts): one lock, one view of each array ------
 def _compress_parts(op: str, compress_kernel):
-    per_word, chunk, _ = geometry(op)
-
     @implements_parts(op, "numba")
     @serialized
     def compress_parts(grad, residual_in, residual_out, words, parts) -> None:
@@ -128,18 +126,16 @@ def _compress_parts(op: str, compress_kernel):
         g, r_in, r_out = as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out)
         w = as_array(words).view(np.uint32)
         f = w.view(np.float32)
-        for lo, numel, codes, scales in parts:
-            hi = lo + numel
-            compress_kernel(g[lo:hi], None if r_in is None else r_in[lo:hi],
-                            r_out if r_out is None or r_out is True else r_out[lo:hi],
-                            w[codes: codes + -(-numel // per_word)], f[scales: scales + -(-numel // chunk)])
+        for part in parts:
+            piece = slice(part.lo, part.lo + part.numel)
+            codes, scales = spans(op, part)
+            compress_kernel(g[piece], None if r_in is None else r_in[piece],
+                            r_out if r_out is None or r_out is True else r_out[piece], w[codes], f[scales])
 
     return compress_parts
 
 
 def _decompress_parts(op: str, decompress_kernel):
-    per_word, chunk, _ = geometry(op)
-
     @implements_parts(op, "numba")
     @serialized
     def decompress_add_parts(words, parts, out) -> None:
@@ -148,9 +144,9 @@ def _decompress_parts(op: str, decompress_kernel):
         check_parts(op, parts, out.numel(), words.numel())
         w, o = as_array(words).view(np.uint32), as_array(out)
         f = w.view(np.float32)
-        for lo, numel, codes, scales in parts:
-            decompress_kernel(w[codes: codes + -(-numel // per_word)], f[scales: scales + -(-numel // chunk)],
-                              o[lo: lo + numel])
+        for part in parts:
+            codes, scales = spans(op, part)
+            decompress_kernel(w[codes], f[scales], o[part.lo: part.lo + part.numel])
 
     return decompress_add_parts
 

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from experiments import simulate
-from experiments.screening import run_prefix
+from experiments.screening import run_prefix, topk_by_score
 from gradcomp.compressors import topk
 
 SCORE = {}
@@ -42,16 +42,7 @@ def main(stop, log, workload):
             engine.end_step()
 
     def compress(self, tensor, residual=None, residual_out=None, backend=None):
-        payload = self.layout(tensor.numel(), tensor.dtype).allocate(tensor.device)
-        acc = tensor.float() if residual is None else tensor.float() + residual
-        k = self.k(tensor.numel())
-        index = torch.topk(SCORE["current"], k, sorted=False).indices.sort().values
-        payload["values"].copy_(acc[index])
-        payload["indices"].copy_(index)
-        if residual_out is not None:
-            residual_out.copy_(acc)
-            residual_out[index] = 0.0
-        return payload
+        return topk_by_score(self, tensor, residual, residual_out, lambda acc: SCORE["current"])
 
     simulate.Simulation.exchange = exchange
     topk.TopK.compress = compress
