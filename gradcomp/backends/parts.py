@@ -4,9 +4,9 @@ A per-parameter payload (:class:`~gradcomp.compressors.PerParameter`) holds one 
 of a group, each its codes then its scales, every segment 8-byte aligned. Called part by part, each op pays its
 fixed cost (argument checks, NumPy views of the tensors, the kernel lock, a payload allocated and copied into
 place) once per parameter, and on a small model that cost is the step: on the digits MLP of the convergence
-study under the recipe's 3-bit code, the engine spent 1.0 ms compressing and 1.8 ms averaging and validating
-two ranks' payloads a step against 2.0 ms of compute (the in-process simulation, one thread). A batched form
-pays it once per group and slices the group's arrays per part.
+study under the recipe's 3-bit code, the engine took about as long as the model's compute (the in-process
+simulation, one thread; an informal timing, not a quiet one). A batched form pays it once per group and
+slices the group's arrays per part; the study's step times (README, "Sooner?") show what it changed.
 
 Signatures (``words``: the payload buffer viewed as int32, ``[nbytes / 4]``; ``parts``: :class:`Part` rows,
 the compressed parameters only)::
