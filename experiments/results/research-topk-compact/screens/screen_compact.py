@@ -6,7 +6,9 @@ payload itself stays the 8-byte one (the quality is what is screened, not the by
 
 Usage, from the repository root:
 ``PYTHONPATH=. python experiments/results/research-topk-compact/screens/screen_compact.py STEPS LOG
-[WORKLOAD [OPTIMIZER [ENTRY_BYTES]]]`` (SGD-momentum and 6 bytes unless named; 3 bytes is an 8-bit value
+[WORKLOAD [OPTIMIZER [ENTRY_BYTES [SEED [VALUES]]]]]`` (SGD-momentum, 6 bytes, seed 0 and exact values unless
+named; ``VALUES`` ``bf16`` rounds every sent value to bfloat16, the rounding error kept in the residual, as a
+4-byte entry of a bfloat16 value and a 16-bit index would send; 3 bytes is an 8-bit value
 with a 16-bit index, 2 bytes an 8-bit value with an 8-bit index inside a chunk of 256).
 """
 import sys
@@ -16,11 +18,11 @@ import torch
 from experiments import simrun
 from experiments.screening import run_prefix
 from gradcomp import recipe
-from gradcomp.compressors import TopK
+from gradcomp.compressors import TopK, topk
 
 
 def main(stop: int, log: str, workload: str = "charlm-small", optimizer: str = "sgdm",
-         entry_bytes: str = "6") -> None:
+         entry_bytes: str = "6", seed: str = "0", values: str = "exact") -> None:
     torch.set_num_threads(1)
     ENTRY_BYTES = float(entry_bytes)
     plain = recipe.bytes_per_element
@@ -32,8 +34,22 @@ def main(stop: int, log: str, workload: str = "charlm-small", optimizer: str = "
         return plain(compressor, density, dense)
 
     recipe.bytes_per_element = compact
+    if values == "bf16":
+        compress = topk.TopK.compress
+
+        def rounded(self, tensor, residual=None, residual_out=None, backend=None):
+            payload = compress(self, tensor, residual, residual_out, backend)
+            sent = payload["values"]
+            kept = sent.to(torch.bfloat16).to(sent.dtype)
+            if residual_out is None:
+                raise SystemExit("screen_compact: bf16 values need the engine's separate residual output")
+            residual_out.index_add_(0, payload["indices"].long(), sent - kept)
+            sent.copy_(kept)
+            return payload
+
+        topk.TopK.compress = rounded
     simrun.SPECS["topk"] = f"topk:{0.01 * 8 / ENTRY_BYTES:.6g}"  # the study's 1 % at 8 bytes an entry
-    run_prefix(stop, log, workload, optimizer, "topk")
+    run_prefix(stop, log, workload, optimizer, "topk", int(seed))
 
 
 if __name__ == "__main__":
