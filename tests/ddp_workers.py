@@ -56,9 +56,10 @@ def local_gradients(model, rank, step):
 
 # -- workers ---------------------------------------------------------------------------------------
 def make_compressor(spec):
-    """``(name, argument or None)`` -> the compressor, through the registry by name."""
+    """``(name, argument or None)`` -> the compressor, through the registry by name (a string argument is
+    the spec's arguments as written: ``"0.02,entries=compact"``)."""
     name, arg = spec
-    return gradcomp.from_spec(name if arg is None else f"{name}:{arg!r}")
+    return gradcomp.from_spec(name if arg is None else f"{name}:{arg if isinstance(arg, str) else repr(arg)}")
 
 
 def train_and_record(rank, world_size, spec, steps, model_kind, state_kwargs, ddp_kwargs=None, lr=0.05):

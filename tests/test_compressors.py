@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import gradcomp
 from gradcomp.backends import torch_ops
+from gradcomp.validation import PayloadError, validate_payload
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -139,8 +140,8 @@ def test_twobit_residual_with_feedback_in_low_precision():
 
 
 # -- all compressors --------------------------------------------------------------------------
-ALL = [gradcomp.TopK(0.05), gradcomp.TwoBit(0.5), gradcomp.TwoBit("chunk"), gradcomp.ThreeBit(), gradcomp.Identity(),
-       gradcomp.FP16(), gradcomp.BF16()]
+ALL = [gradcomp.TopK(0.05), gradcomp.TopK(0.05, entries="compact"), gradcomp.TwoBit(0.5), gradcomp.TwoBit("chunk"),
+       gradcomp.ThreeBit(), gradcomp.Identity(), gradcomp.FP16(), gradcomp.BF16()]
 
 
 @pytest.mark.parametrize("compressor", ALL, ids=repr)
@@ -221,3 +222,50 @@ def test_reference_topk_select_orders_nan_above_inf_above_finite():
     assert torch_ops.topk_select(acc, 3).tolist() == [1, 3, 4]
 
 
+
+
+# -- top-k's compact entries ------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 700, 65536, 65537, 200_003])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_compact_topk_sends_the_wide_selection_at_half_the_bytes(n, dtype):
+    """The same entries as the wide payload, each value rounded to bfloat16, at 4 bytes an entry
+    (and a count per chunk of 65,536) where the wide float32 payload spends 8."""
+    torch.manual_seed(n)
+    grad, residual = (torch.randn(n) * 3).to(dtype), torch.randn(n) / 8
+    wide, compact = gradcomp.TopK(0.05), gradcomp.TopK(0.05, entries="compact")
+    wide_payload, compact_payload = wide.compress(grad, residual, backend="torch"), compact.compress(grad, residual,
+                                                                                                   backend="torch")
+    assert torch.equal(compact.sent_indices(compact_payload), wide_payload["indices"].long())
+    assert torch.equal(compact_payload["values"], wide_payload["values"].to(torch.bfloat16))
+    k, chunks = wide.k(n), -(-n // 65536)
+    assert compact.layout(n, dtype).nbytes <= 4 * k + 4 * chunks + 16
+    if dtype == torch.float32 and k >= 64:
+        assert compact.layout(n, dtype).nbytes < 0.55 * wide.layout(n, dtype).nbytes
+
+
+def _compact_payload(n=140_000, density=0.01):
+    compressor = gradcomp.TopK(density, entries="compact")
+    return compressor, compressor.compress(torch.randn(n), backend="torch"), n
+
+
+@pytest.mark.parametrize("forge", ["negative count", "counts short", "counts long", "local backwards",
+                                   "entry past the end"])
+def test_compact_topk_rejects_forged_counts_and_indices(forge):
+    compressor, payload, n = _compact_payload()
+    counts, local = payload["counts"], payload["local"]
+    if forge == "negative count":  # the counts still add up to k
+        counts[1] += int(counts[0]) + 1
+        counts[0] = -1
+    elif forge == "counts short":
+        counts[0] -= 1
+    elif forge == "counts long":
+        counts[-1] += 1
+    elif forge == "local backwards":
+        local[1], local[2] = int(local[2]), int(local[1])
+    else:  # the last chunk holds n - 2 * 65536 elements: its count moved there points past them
+        counts[-1] += int(counts[0])
+        counts[0] = 0
+    with pytest.raises(PayloadError):
+        validate_payload(compressor, payload, n, rank=1)
+    with pytest.raises(ValueError):
+        compressor.decompress_add(payload, torch.zeros(n), backend="torch")

@@ -20,10 +20,13 @@ def twobit_by_hand(acc, t):
 
 
 def topk_by_hand(acc, ratio):
-    k = max(1, math.ceil(ratio * acc.numel()))
+    """Top-k of ``acc``; ``ratio`` a density, or ``"D,entries=compact"``: density D, values rounded to bfloat16."""
+    compact = isinstance(ratio, str)
+    density = float(ratio.split(",")[0]) if compact else ratio
+    k = max(1, math.ceil(density * acc.numel()))
     sent = torch.zeros_like(acc)
     index = torch.topk(acc.abs(), k).indices  # random data: no ties at the boundary
-    sent[index] = acc[index]
+    sent[index] = acc[index].to(torch.bfloat16).float() if compact else acc[index]
     return sent
 
 
@@ -104,6 +107,7 @@ CASES = [
     (("topk", 0.01), 3, 0, "parameter"),
     (("twobit", 0.02), 3, 0, "parameter"),
     (("topk", 0.01), 2, 2, "bucket"),
+    (("topk", "0.02,entries=compact"), 2, 2, "parameter"),
 ]
 
 

@@ -20,7 +20,7 @@ from test_cuda_kernels import TINY, cuda_emulator, cuda_ops
 # Mixed sizes: large and small parameters, sizes that are not multiples of 16, a scalar.
 NUMELS = (3000, 10, 5000, 1, 2048, 7, 1500)
 DENSE_BELOW = 1024
-SPECS = ("topk:0.01", "topk:0.1", "twobit:rms", "twobit:0.5", "twobit:chunk", "threebit")
+SPECS = ("topk:0.01", "topk:0.1", "topk:0.02,entries=compact", "twobit:rms", "twobit:0.5", "twobit:chunk", "threebit")
 
 
 def make(n, dtype, seed):

@@ -13,6 +13,8 @@ SPECS = {
     " TopK : 1e-3 ": (TopK, "topk:0.001"),
     "topk:1": (TopK, "topk:1.0"),
     "topk": (TopK, "topk:0.01"),
+    "topk:0.02,entries=compact": (TopK, "topk:0.02,entries=compact"),
+    "topk:0.01,entries=wide": (TopK, "topk:0.01"),  # a setting at its default is left out of the spec
     "twobit:0.5": (TwoBit, "twobit:0.5"),
     "twobit:threshold=0.5": (TwoBit, "twobit:0.5"),
     "twobit:0.02": (TwoBit, "twobit:0.019999999552965164"),  # the float32 the kernels compare with

@@ -112,8 +112,9 @@ class PerParameter(Compressor):
         return cached
 
     def _sparse_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, SparseParts]]:
-        """:attr:`_Plan.sparse` of the parts ``placed``: for a :class:`TopK` base with int32 indices."""
-        if type(self.base) is not TopK or self.numel >= 2**31:
+        """:attr:`_Plan.sparse` of the parts ``placed``: for a :class:`TopK` base with int32 indices
+        (compact entries decode part by part)."""
+        if type(self.base) is not TopK or self.base.compact or self.numel >= 2**31:
             return None
         rows = [(own.segments[0].numel, (at + own.segments[0].offset) // dtype.itemsize,
                  (at + own.segments[1].offset) // 4, part.offset, part.numel)

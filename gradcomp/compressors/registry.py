@@ -11,7 +11,8 @@ Values are parsed as ``true``/``false`` (bool), ``none`` (None), an integer, a f
 (``0.01``, ``1e-3``), or else a bare word (``rms``). Names are case-insensitive.
 
 Every registered compressor has a ``spec`` property, its canonical spec: the registered
-name, the first declared setting as a value and the others as ``key=value``, floats written
+name, the first declared setting as a value and the others as ``key=value`` (left out at their
+constructor default, so a spec written before a setting existed names the same compressor), floats written
 with ``repr`` (the shortest string that reads back as the same double). So
 ``from_spec(c.spec).spec == c.spec`` exactly, on every machine: checkpoints record
 ``spec`` and ranks compare it to agree on their settings.
@@ -27,6 +28,7 @@ itself instead.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
@@ -131,10 +133,20 @@ def _canonical_spec(compressor: Compressor) -> str:
             "compared across ranks"
         )
     parts = []
+    defaults = _keyword_defaults(cls)
     for index, param in enumerate(_BY_NAME[name][1]):
-        value = _format_value(cls.__qualname__, param, getattr(compressor, param))
+        value = getattr(compressor, param)
+        if index > 0 and param in defaults and value == defaults[param]:
+            continue  # a setting at its default is left out: specs written before it existed still match
+        value = _format_value(cls.__qualname__, param, value)
         parts.append(value if index == 0 else f"{param}={value}")
     return f"{name}:{','.join(parts)}" if parts else name
+
+
+def _keyword_defaults(cls) -> Dict[str, object]:
+    """The constructor's keyword defaults of ``cls`` (name -> value)."""
+    return {name: parameter.default for name, parameter in inspect.signature(cls.__init__).parameters.items()
+            if parameter.default is not inspect.Parameter.empty}
 
 
 def _parse_value(text: str) -> Union[bool, None, int, float, str]:
