@@ -128,12 +128,11 @@ def compact_encode(values: torch.Tensor, indices: torch.Tensor, payload: Payload
     as compact entries into ``payload`` (mutated); ``residual_out`` (float32 ``[n]``, mutated) receives
     what bfloat16 rounds off each value at its index, on top of what the selection left there (zero
     for float32 and bfloat16 gradients). O(k) torch ops, the same on every device and backend."""
-    sent = payload["values"]
+    sent, wide = payload["values"], indices.to(torch.int64)
     sent.copy_(values)  # round to nearest even, as every backend's bfloat16 store
     if residual_out is not None:
         rounded = values.to(torch.float32) - sent.to(torch.float32)
-        residual_out.index_put_((indices.to(torch.int64),), rounded, accumulate=True)
-    wide = indices.to(torch.int64)
+        residual_out.index_put_((wide,), rounded, accumulate=True)
     low = wide & (chunk - 1)
     payload["local"].copy_(low - ((low & (chunk >> 1)) << 1))  # the low 16 bits, as a signed int16
     counts = torch.bincount(wide // chunk, minlength=payload["counts"].numel())
