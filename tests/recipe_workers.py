@@ -48,6 +48,8 @@ class Run:
         compressor = gradcomp.from_spec(spec)
         if spec.startswith("twobit"):  # the recipe's 2-bit code under SGD and Adam: seven levels
             compressor = gradcomp.ThreeBit()
+        elif spec.startswith("topk"):  # its top-k: twice the entries, written compact
+            compressor = gradcomp.TopK(2 * compressor.density, entries="compact")
         schedule = (SparsityRamp(dense_steps, stage_steps, densities) if densities else DenseWarmup(dense_steps))
         self.optimizer = make_optimizer(kind, self.model)
         transform = None

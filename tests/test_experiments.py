@@ -84,13 +84,15 @@ def test_train_charlm_tiny(tmp_path, method):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["dense", "topk", "twobit"])
 def test_train_digits(tmp_path, method):
-    events = run_train(tmp_path, "--workload", "digits", "--compressor", method, "--steps", "24", "--lr", "3e-3")
+    # SGD-momentum: a 24-step run under AdamW gives the recipe's frozen variance 2 steps of samples, and the
+    # MLP's later gradients then step it off (diverged or dead at chance, wide top-k and compact alike).
+    events = run_train(tmp_path, "--workload", "digits", "--compressor", method, "--steps", "24", "--optimizer", "sgd")
     losses = [s["loss"] for s in events["step"]]
     assert all(math.isfinite(x) for x in losses)
     assert sum(losses[-6:]) / 6 < sum(losses[:6]) / 6, losses
     _check_compressed_bytes(events["step"], method)
-    final = events["eval"][-1]
-    assert 0.0 <= final["accuracy"] <= 1.0 and math.isfinite(final["eval_loss"])
+    final = events["eval"][-1]  # ln(10) = 2.303 and 0.1 at chance; every method measured 2.02-2.12 and 0.37-0.56
+    assert final["eval_loss"] < 2.25 and final["accuracy"] > 0.2, final
     if method == "twobit":  # the recipe's 2-bit scale is per parameter and step: no threshold is chosen
         assert "threshold" not in events and events["summary"][0]["twobit_threshold"] == "rms"
 

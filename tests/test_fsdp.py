@@ -72,7 +72,7 @@ def test_fsdp_compressed_reduce_scatter_matches_the_simulation(tmp_path, world_s
     expected = simulate(world_size, case, specs)
     assert_run_matches(results, expected, str(case))
     if case.get("recipe"):
-        assert specs[0] is None and specs[-1] == "topk:0.1", specs  # a dense start, then compression
+        assert specs[0] is None and specs[-1] == "topk:0.2,entries=compact", specs  # dense, then the recipe's top-k
         for result in results:
             assert result["norms"] == pytest.approx(expected["norms"], rel=1e-6)
     if case.get("residual_dtype") == "bfloat16":

@@ -14,11 +14,11 @@ from gradcomp.schedule import DenseWarmup, SparsityRamp
 from gradcomp.setup import RecipeNotice
 
 # The rules of gradcomp.recipe worked out by hand for the workers' run: 40 steps, the LR peaks at
-# step 5 (> 5% of 40), so 5 dense steps; top-k 1% ramps from the densest start the 2x budget affords
-# over the shortest ramp (1/4), halving down to 1/64, each stage as long as the budget allows but at
-# most 3/4 of the 35 remaining steps in all (5 each). The same under SGD (no stage: its momentum
-# runs after the exchange). 2-bit runs as ThreeBit() after the dense start under SGD and AdamW.
-RAMP = (5, 5, (0.25, 0.125, 0.0625, 0.03125, 0.015625))
+# step 5 (> 5% of 40), so 5 dense steps; top-k 1% runs as compact entries at 2% (the same bytes) and
+# ramps from the densest start the 2x budget affords over the shortest ramp (1/4), halving down to
+# 1/32, each stage as long as the budget allows but at most 3/4 of the 35 remaining steps in all (6
+# each). The same under SGD. 2-bit runs as ThreeBit() after the dense start under SGD and AdamW.
+RAMP = (5, 6, (0.25, 0.125, 0.0625, 0.03125))
 DENSE_ONLY = (5, None, ())
 CASES = [("sgd", "topk:0.01", RAMP), ("sgd", "twobit:rms", DENSE_ONLY), ("adamw", "topk:0.01", RAMP),
          ("adamw", "twobit:rms", DENSE_ONLY)]
@@ -115,32 +115,35 @@ def test_top_k_ramp_scales_with_the_run_and_keeps_the_byte_budget(total, density
         chosen = plan(f"topk:{density}", None, total, None, named_mlp(), min_numel=0)
     schedule = chosen.schedule.inner  # the recipe's ramp inside its PlannedSchedule
     assert isinstance(schedule, SparsityRamp)
-    assert schedule.densities[0] in (1 / 4, 1 / 8, 1 / 16) and all(d > density for d in schedule.densities)
+    assert chosen.compressor.compact and chosen.compressor.density == 2 * density  # twice the entries, 4 bytes each
+    assert schedule.densities[0] in (1 / 4, 1 / 8, 1 / 16) and all(d > 2 * density for d in schedule.densities)
     assert schedule.stage_steps * len(schedule.densities) <= 0.75 * (total - chosen.dense_steps)
     # Bytes over the run, counted step by step from the schedule itself: at least 8x fewer than dense.
     sent = 0.0
     for step in range(total):
         compressor = schedule.compressor_at(step, chosen.compressor)
-        sent += 1.0 if compressor is None else 2 * compressor.density
+        sent += 1.0 if compressor is None else compressor.density  # 4 of dense's 4 bytes an entry
     assert total / sent >= 8.0 * 0.999
     assert chosen.expected_compression == pytest.approx(total / sent, rel=1e-6)
 
 
 def test_a_short_run_leaves_the_ramp_its_bytes_after_the_dense_start():
-    """200 steps with a 20-step warm-up (the main job's run): all the budget above top-k's final 1% would
-    pay 19 dense steps and no ramp (7.2x fewer bytes); the dense start stops where the ramp from its
-    sparsest start (1/16) still has its shortest length, and the whole run keeps the 8x budget. By
-    hand, in dense steps: 17 dense steps leave 25 - 17 - 183 * 0.02 = 4.34 for the ramp, 27 steps of
-    its three stages at 0.105 + 0.0425 + 0.01125 each, over the shortest 0.4 * 183 / 3 = 24; 18
-    would leave 21 < 24."""
+    """200 steps with a 20-step warm-up (the main job's run): the dense start stops where the ramp from
+    its sparsest start (1/16) still has its shortest length, and the whole run keeps the 8x budget. By
+    hand, in dense steps, top-k 1% running as compact entries at 2% (0.02 of dense's bytes): 19 dense
+    steps leave 25 - 19 - 181 * 0.02 = 2.38 for the ramp, 44 steps of its two stages at 0.0425 +
+    0.01125 each, over the shortest 0.4 * 181 / 2 = 36; 20 would leave 1.4, 26 steps < 36. The
+    warm-up ends at step 19, so the whole of it runs dense (with 8-byte entries only 17 steps of it
+    did)."""
     named = named_mlp()
     optimizer = torch.optim.AdamW([p for _, p in named], lr=1e-3)
     warm = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
-    with pytest.warns(RecipeNotice, match="warm-up ends at step 19, but the byte budget affords 17"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*warm-up ends")  # the budget affords the warm-up
         chosen = plan("topk:0.01", None, 200, warm, named, min_numel=0)
-    assert chosen.dense_steps == 17 and chosen.expected_compression >= 8.0 * 0.999
+    assert chosen.dense_steps == 19 and chosen.expected_compression >= 8.0 * 0.999
     schedule = chosen.schedule.inner
-    assert schedule.densities[0] == 1 / 16 and schedule.stage_steps == 27
+    assert schedule.densities == (1 / 16, 1 / 32) and schedule.stage_steps == 44
 
 
 def test_a_warm_up_longer_than_the_budget_affords_is_cut_short_and_said():
@@ -209,7 +212,8 @@ def test_under_adam_a_run_too_short_for_3_bits_dense_start_keeps_the_ternary_cod
     fresh = torch.optim.AdamW(params, lr=1e-3)
     assert code(gradcomp.TwoBit("chunk"), fresh, 2000).spec == "threebit"
     assert code(gradcomp.TwoBit("chunk"), fresh, 200).spec == "twobit:chunk"
-    assert code(gradcomp.TopK(0.01), fresh, 200).spec == "topk:0.01"
+    assert code(gradcomp.TopK(0.01), fresh, 200).spec == "topk:0.02,entries=compact"  # the same bytes
+    assert code(gradcomp.TopK(0.6), fresh, 200).spec == "topk:0.6"  # no twice as dense to go to
     assert not fresh._optimizer_step_pre_hooks and not fresh.state  # no stage was built
 
 
