@@ -252,13 +252,14 @@ def study_spec(base: str, model, optimizer, run_steps: int) -> str:
     (:func:`gradcomp.recipe.code`: 3-bit or the ternary chunk code), so that a benchmark that plans for
     fewer steps times the code of the run it stands for."""
     from gradcomp.compressors import TwoBit
-    from gradcomp.recipe import code, dense_share
+    from gradcomp.recipe import code
+    from gradcomp.recipe_bytes import Traffic
     from gradcomp.settings import DEFAULT_MIN_NUMEL
 
     if base != "twobit":
         return f"topk:{STUDY_DENSITY}"
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return code(TwoBit("chunk"), optimizer, run_steps, None, dense_share(named, DEFAULT_MIN_NUMEL)).spec
+    return code(TwoBit("chunk"), optimizer, run_steps, None, Traffic.of(named, DEFAULT_MIN_NUMEL)).spec
 
 
 def attach_study_method(model, method: str, optimizer, scheduler, total_steps: int, seed: int = 0,

@@ -34,7 +34,8 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   the run, :data:`ADAM_DENSE_FRACTION` under Adam (its second moment is estimated there, then frozen;
   a loop that sets the rate by hand hides its warm-up), as far as the byte budget allows: compression
   that starts inside the warm-up stores the large early gradients and releases them late, but the
-  budget is the user's promise, so a warm-up too long for it is cut short, with a notice.
+  budget is the user's promise, so a warm-up too long for it is cut short, with a notice. Bytes are
+  counted from each compressed parameter's own payload layout (:mod:`gradcomp.recipe_bytes`).
 * **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
   affords down to the density asked, each stage as long as the byte budget (``min_compression`` x fewer
   bytes than dense over the whole run) allows, over :data:`RAMP_MIN_FRACTION` to :data:`RAMP_FRACTION`
@@ -73,11 +74,12 @@ import copy
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
+from gradcomp.recipe_bytes import Traffic, bytes_per_element
 from gradcomp.schedule import DenseWarmup, PlannedSchedule, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
@@ -166,40 +168,19 @@ def lr_peak_step(scheduler, total_steps: int) -> int:
     return best_step
 
 
-def dense_share(named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], min_numel: int) -> float:
-    """The share of elements in parameters under ``min_numel``, which travel dense inside payloads."""
-    sizes = [p.numel() for _, p in named_parameters if p.requires_grad]
-    total = sum(sizes)
-    return sum(n for n in sizes if n < min_numel) / total if total else 0.0
-
-
-def bytes_per_element(compressor: Compressor, density: Optional[float], dense: float) -> float:
-    """Bytes sent per element as a share of dense float32: top-k's values and indices at ``density``
-    (8 bytes an entry, 4 compact); a quantizer's codes and scales as its payload layout gives them (2-bit chunk:
-    1/16 + 1/64; 3-bit: 1/10 + 1/128), read at 2^20 elements, where a tensor's last partial word
-    no longer counts."""
-    if isinstance(compressor, TopK):
-        compressed = (1.0 if compressor.compact else 2.0) * (density if density is not None else compressor.density)
-    elif isinstance(compressor, (TwoBit, ThreeBit)):
-        numel = 2**20
-        compressed = sum(s.nbytes for s in compressor.layout(numel, torch.float32).segments) / (4 * numel)
-    else:
-        compressed = 1.0
-    return dense + (1 - dense) * compressed
-
-
-def _ramp(compressor: TopK, total: int, dense_steps: int, budget: float, dense: float) -> Tuple[Tuple[float, ...], int]:
+def _ramp(compressor: TopK, total: int, dense_steps: int, budget: float,
+          traffic: Traffic) -> Tuple[Tuple[float, ...], int]:
     """The densest ramp (of :data:`RAMP_STARTS`) whose stages fit ``budget`` (a share of dense bytes)
     for at least :data:`RAMP_MIN_FRACTION` of the steps after the dense start; the last start otherwise."""
     for start in RAMP_STARTS:
-        densities, stage, fits = _ramp_from(start, compressor, total, dense_steps, budget, dense)
+        densities, stage, fits = _ramp_from(start, compressor, total, dense_steps, budget, traffic)
         if fits:
             break
     return densities, stage
 
 
 def _ramp_from(start: float, compressor: TopK, total: int, dense_steps: int, budget: float,
-               dense: float) -> Tuple[Tuple[float, ...], int, bool]:
+               traffic: Traffic) -> Tuple[Tuple[float, ...], int, bool]:
     """``(densities, stage length, whether the budget affords the shortest ramp)`` from ``start``."""
     final = compressor.density
     densities, d = [], start
@@ -209,23 +190,23 @@ def _ramp_from(start: float, compressor: TopK, total: int, dense_steps: int, bud
     if not densities:
         return (), 0, True
     rest = total - dense_steps
-    c_final = bytes_per_element(compressor, final, dense)
+    c_final = bytes_per_element(compressor, final, traffic)
     spare = budget * total - dense_steps - rest * c_final  # bytes (in dense steps) the ramp may spend
-    extra = sum(bytes_per_element(compressor, d, dense) - c_final for d in densities)
+    extra = sum(bytes_per_element(compressor, d, traffic) - c_final for d in densities)
     affordable = int(spare / extra) if spare > 0 else 0
     shortest, longest = (int(fraction * rest / len(densities)) for fraction in (RAMP_MIN_FRACTION, RAMP_FRACTION))
     stage = min(max(affordable, shortest), longest)
     return ((tuple(densities), stage) if stage >= 1 else ((), 0)) + (affordable >= shortest,)
 
 
-def _schedule(compressor, total_steps: int, dense_steps: int, budget: float, dense: float):
+def _schedule(compressor, total_steps: int, dense_steps: int, budget: float, traffic: Traffic):
     """``(schedule, expected compression)`` for ``compressor`` after ``dense_steps`` dense steps."""
-    densities, stage = (_ramp(compressor, total_steps, dense_steps, budget, dense) if isinstance(compressor, TopK)
+    densities, stage = (_ramp(compressor, total_steps, dense_steps, budget, traffic) if isinstance(compressor, TopK)
                         else ((), 0))
     schedule = SparsityRamp(dense_steps, stage, densities) if stage else DenseWarmup(dense_steps)
-    ramp_bytes = sum(stage * bytes_per_element(compressor, d, dense) for d in densities)
+    ramp_bytes = sum(stage * bytes_per_element(compressor, d, traffic) for d in densities)
     rest = total_steps - dense_steps - stage * len(densities)
-    sent = dense_steps + ramp_bytes + rest * bytes_per_element(compressor, None, dense)
+    sent = dense_steps + ramp_bytes + rest * bytes_per_element(compressor, None, traffic)
     return schedule, total_steps / sent
 
 
@@ -234,7 +215,7 @@ def _dense_fraction(optimizer) -> float:
     return ADAM_DENSE_FRACTION if isinstance(optimizer, torch.optim.Adam) else DENSE_FRACTION
 
 
-def _dense_start(compressor, total_steps: int, scheduler, budget: float, dense: float,
+def _dense_start(compressor, total_steps: int, scheduler, budget: float, traffic: Traffic,
                  notes: list, fraction: float) -> int:
     """The dense start: the LR warm-up's end and at least ``fraction`` of the run, as far as
     the byte budget allows: what is left of it once every later step sends the final setting and, for
@@ -245,11 +226,11 @@ def _dense_start(compressor, total_steps: int, scheduler, budget: float, dense: 
     12 dense steps blew up on one and two seeds of five). 2 at least. A warm-up longer than the budget
     allows is noted: compression then starts inside it."""
     warmup_end = lr_peak_step(scheduler, total_steps) if scheduler is not None else 0
-    final = bytes_per_element(compressor, None, dense)
+    final = bytes_per_element(compressor, None, traffic)
     affordable = int(total_steps * (budget - final) / (1 - final)) if final < 1 else 0
     if isinstance(compressor, TopK):
         while affordable > 2 and not _ramp_from(RAMP_STARTS[-1], compressor, total_steps, affordable, budget,
-                                                 dense)[2]:
+                                                 traffic)[2]:
             affordable -= 1
     wanted = max(warmup_end, math.ceil(fraction * total_steps))
     if warmup_end > affordable:
@@ -284,17 +265,17 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"the recipe needs total_steps=<optimizer steps in the run> (an integer >= 1), "
                          f"got {total_steps!r}")
-    dense = dense_share(named_parameters, min_numel)
-    compressor = code(compressor, optimizer, total_steps, scheduler, dense, min_compression, announce)
+    traffic = Traffic.of(named_parameters, min_numel)
+    compressor = code(compressor, optimizer, total_steps, scheduler, traffic, min_compression, announce)
     family = next((name for name, kind in _FAMILIES if isinstance(compressor, kind)), None)
     if family is None:  # casts: no residual, no recipe needed beyond DDP's rebuild
         return Plan(compressor, total_steps, 2, PlannedSchedule(DenseWarmup(2), total_steps, announce), None,
                     "no error feedback (a cast)", notes=("casts need no recipe",))
     budget = min_compression or MIN_COMPRESSION[family]
     notes = []
-    dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, dense, notes,
+    dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, traffic, notes,
                                _dense_fraction(optimizer))
-    schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget, dense)
+    schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget, traffic)
     if expected * 1.001 < budget:
         notes.append(f"the dense start ({dense_steps} steps) and the ramp of this {total_steps}-step run leave "
                      f"{expected:.1f}x fewer bytes, under the {budget:.0f}x asked")
@@ -309,17 +290,19 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     return result
 
 
-def code(compressor, optimizer=None, total_steps: int = 1, scheduler=None, dense: float = 0.0,
+def code(compressor, optimizer=None, total_steps: int = 1, scheduler=None, traffic: Optional[Traffic] = None,
          min_compression: Optional[float] = None, announce: bool = False) -> Compressor:
     """The compressor the recipe runs for ``compressor`` (module docstring), without side effects: a
     ``TwoBit`` becomes ``ThreeBit()`` under SGD, and under Adam where the byte budget affords 3-bit
     :data:`~gradcomp.optim.adam_settings.MIN_STEADY_FREEZE` dense steps or as many as the ternary code's;
     else ``TwoBit("chunk")``. A wide ``TopK(d)`` becomes ``TopK(2 * d, entries="compact")`` (the same
-    bytes; ``d`` above 1/2 stays as it is). Any other compressor is returned as it is. ``dense``: the
-    share of elements sent dense (:func:`dense_share`); the notices say what was substituted and why."""
+    bytes; ``d`` above 1/2 stays as it is). Any other compressor is returned as it is. ``traffic``: the
+    averaged parameters (:meth:`Traffic.of`; a nominal tensor where ``None``); the notices say what was
+    substituted and why."""
     from gradcomp.optim.adam_settings import MIN_STEADY_FREEZE
     from gradcomp.setup import notice
 
+    traffic = traffic or Traffic()
     if isinstance(compressor, TopK):
         return _compact(compressor, announce)
     if not isinstance(compressor, TwoBit):
@@ -329,8 +312,8 @@ def code(compressor, optimizer=None, total_steps: int = 1, scheduler=None, dense
     if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
         if isinstance(optimizer, torch.optim.Adam):  # SGD has no variance to estimate: 3-bit whatever the start
             budget = 1 / (min_compression or MIN_COMPRESSION["threebit"])
-            steps = _dense_start(finer, total_steps, scheduler, budget, dense, [], ADAM_DENSE_FRACTION)
-            ternary_steps = _dense_start(ternary, total_steps, scheduler, budget, dense, [], ADAM_DENSE_FRACTION)
+            steps = _dense_start(finer, total_steps, scheduler, budget, traffic, [], ADAM_DENSE_FRACTION)
+            ternary_steps = _dense_start(ternary, total_steps, scheduler, budget, traffic, [], ADAM_DENSE_FRACTION)
         if isinstance(optimizer, torch.optim.SGD) or steps >= min(MIN_STEADY_FREEZE, ternary_steps):
             notice(f"recipe: under {name} 2-bit runs as ThreeBit(), seven levels with a scale per 128 elements, in "
                    "the same byte budget (measured: SGD-momentum, 600 steps, a GPT +13.6-16.1% above dense with "
