@@ -35,7 +35,7 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
-from gradcomp.compressors import Compressor, ThreeBit, TwoBit, from_spec
+from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_backend, check_compressor, check_gradient_dtypes
 
 __all__ = ["Setup", "prepare", "RecipeNotice", "unwrapped_names", "innermost_optimizer", "WRAPPER_PREFIXES"]
@@ -213,14 +213,25 @@ def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter
 
 def _fit_candidates(policy, recipe) -> None:
     """What a policy picks from, under the recipe: nothing the recipe's optimizer stage cannot converge
-    with, and where the recipe runs a 2-bit code, that code in place of the policy's own (its choice of
+    with, where the recipe runs a 2-bit code, that code in place of the policy's own (its choice of
     ``TwoBit("chunk")`` or ``ThreeBit()`` is the recipe's for the run, and the engine's residual decay
-    is set for it: a different code would run without the measured choice)."""
+    is set for it: a different code would run without the measured choice), and top-k as the recipe
+    writes it (compact entries at twice the density, :func:`gradcomp.recipe.code`)."""
+    from gradcomp.recipe import code
+
     if policy is None or not hasattr(policy, "candidates"):
         return
     codes, own = (TwoBit, ThreeBit), recipe.compressor
-    fitted = [own if isinstance(c, codes) and isinstance(own, codes) else c for c in policy.candidates
-              if not (recipe.unsuited and isinstance(c, recipe.unsuited))]
+    fitted = []
+    for candidate in policy.candidates:
+        if recipe.unsuited and isinstance(candidate, recipe.unsuited):
+            continue
+        if isinstance(candidate, codes) and isinstance(own, codes):
+            candidate = own
+        elif isinstance(candidate, TopK):
+            candidate = code(candidate)
+            candidate = own if candidate.spec == own.spec else candidate
+        fitted.append(candidate)
     policy.candidates = tuple(dict.fromkeys(fitted))  # the recipe's code once (compressors hash by identity)
 
 

@@ -293,7 +293,8 @@ def test_3_bit_under_sgd_decays_its_residuals_and_nothing_else_does():
 
 def test_a_policy_under_the_recipe_picks_the_recipes_own_2_bit_code():
     """Auto's "twobit:chunk" becomes the code the recipe chose for the run (3-bit under SGD, whose
-    residual decay the engine holds for that class only); with a top-k recipe the candidates stay."""
+    residual decay the engine holds for that class only), its "topk:0.01" the recipe's compact top-k at
+    twice the density; with a top-k recipe that is the recipe's own compressor."""
     from gradcomp.setup import prepare
 
     named = named_mlp()
@@ -305,13 +306,15 @@ def test_a_policy_under_the_recipe_picks_the_recipes_own_2_bit_code():
         candidates = setup.settings["policy"].candidates
         codes = [c for c in candidates if isinstance(c, (gradcomp.TwoBit, gradcomp.ThreeBit))]
         assert len(codes) == 1 and codes[0] is setup.compressor, candidates
-        assert sorted(c.spec for c in candidates if c not in codes) == ["fp16", "topk:0.01"]
+        assert sorted(c.spec for c in candidates if c not in codes) == ["fp16", "topk:0.02,entries=compact"]
         if isinstance(optimizer, torch.optim.SGD):
             assert setup.compressor.spec == "threebit" and setup.settings["residual_decay"] == 0.9
     with pytest.warns(RecipeNotice):
         setup = prepare("topk:0.01", named, optimizer=torch.optim.SGD(params, lr=0.1, momentum=0.9),
                         total_steps=1000, policy=gradcomp.Auto())
-    assert [c.spec for c in setup.settings["policy"].candidates] == ["fp16", "twobit:chunk", "topk:0.01"]
+    candidates = setup.settings["policy"].candidates
+    assert [c.spec for c in candidates] == ["fp16", "twobit:chunk", "topk:0.02,entries=compact"]
+    assert candidates[-1] is setup.compressor
 
 
 def test_stages_take_the_names_of_the_wrapped_or_the_unwrapped_model():
