@@ -216,7 +216,9 @@ def test_after_top_k_is_found_slower_the_recipe_runs_fp16_with_the_users_adam(tm
                                  ("topk:0.01", "fp16"), timeout_s=240)
     choices = check_agreement_and_replicas(results)
     assert set(choices.values()) == {"fp16"}, choices
-    assert results[0]["policy"]["rejected"] == ["topk:0.01"] and results[0]["policy"]["trial"]["kept"] is True
+    # the recipe's own top-k: compact entries at twice the density
+    assert results[0]["policy"]["rejected"] == ["topk:0.02,entries=compact"]
+    assert results[0]["policy"]["trial"]["kept"] is True
     for result in results:
         modes, suspended, cleared = result["modes"], result["suspended"], result["cleared"]
         start = result["dense_steps"]
