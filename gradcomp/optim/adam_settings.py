@@ -14,6 +14,8 @@ __all__ = ["MIN_STEADY_FREEZE", "EXCHANGES", "optimizer_settings", "decoupled_we
            "check_optimizer"]
 
 #: Fewer steps than this before the freeze get a warning: the variance is then a handful of samples.
+#: Measured on charlm-small alone (AdamW, 200 steps: 2 dense steps ended +18.2% above dense, 8 -0.3%);
+#: the recipe's choice between 3-bit and the ternary code under Adam reads it (``gradcomp.recipe.code``).
 MIN_STEADY_FREEZE = 10
 EXCHANGES = ("gradient", "momentum")
 
