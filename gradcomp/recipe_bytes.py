@@ -19,7 +19,7 @@ import torch
 
 from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
 
-__all__ = ["Traffic", "bytes_per_element", "dense_share"]
+__all__ = ["Traffic", "bytes_per_element"]
 
 #: The tensor size the accounting assumes where a plan is made without the model's parameters.
 NOMINAL_SIZE = 2**20
@@ -45,11 +45,6 @@ class Traffic:
         total = sum(sizes)
         return cls(sum(n for n in sizes if n < min_numel) / total if total else 0.0,
                    compressed or (NOMINAL_SIZE,))
-
-
-def dense_share(named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], min_numel: int) -> float:
-    """The share of elements in parameters under ``min_numel``, which travel dense inside payloads."""
-    return Traffic.of(named_parameters, min_numel).dense
 
 
 def bytes_per_element(compressor: Compressor, density: Optional[float], traffic: Traffic) -> float:
