@@ -11,6 +11,7 @@ from test_engine import OneRank
 import gradcomp
 import gradcomp.backends
 from gradcomp.backends import cuda_source
+from gradcomp.backends.sparse_parts import CompactParts
 from gradcomp.compressors.per_parameter import PerParameter
 from gradcomp.engine import Engine
 from gradcomp.payload import Payload
@@ -221,11 +222,45 @@ def test_the_batched_ops_write_what_the_per_part_ops_write(backend, spec, residu
         assert torch.equal(res_out[compressed], expected_residual[compressed])
 
 
-@pytest.mark.parametrize("spec", ["twobit:chunk", "threebit", "topk:0.01", "topk:0.1"])
+def _both_checks_agree(grouped, bad, n) -> bool:
+    """Whether ``bad`` is rejected, asserting that the group's check (a few reductions over every part first)
+    rejects it exactly when a part's own check does, naming the parameter, and that a group's decode (and
+    for top-k its sent positions) is what the parts' give, or raises."""
+    by_part = None
+    for number, (part, own) in enumerate(grouped.parts_of(bad)):
+        if not part.dense:
+            try:
+                grouped.base.check_payload(own, part.numel)
+            except ValueError:
+                by_part = by_part if by_part is not None else number
+    if by_part is not None:
+        if grouped.sparsifies:  # its decoders check indices themselves (quantizers: any code decodes)
+            with pytest.raises(ValueError):
+                grouped.decompress_add(bad, torch.zeros(n))
+        with pytest.raises(PayloadError, match=rf"rank 1.*parameter {by_part} of the group"):
+            validate_payload(grouped, bad, n, rank=1)
+        return True
+    validate_payload(grouped, bad, n, rank=1)
+    decoded, expected, sent = torch.zeros(n), torch.zeros(n), []
+    grouped.decompress_add(bad, decoded)
+    for part, own in grouped.parts_of(bad):
+        target = expected[part.offset:part.offset + part.numel]
+        if part.dense:
+            target.add_(own[own.layout.segments[0].name].float())
+        else:
+            grouped.base.decompress_add(own, target)
+            if grouped.sparsifies:
+                sent.append(grouped.base.sent_indices(own).long() + part.offset)
+    torch.testing.assert_close(decoded, expected, rtol=0, atol=0, equal_nan=True)
+    if grouped.sparsifies:
+        assert torch.equal(grouped.sent_indices(bad), torch.cat(sent))
+    return False
+
+
+@pytest.mark.parametrize("spec", ["twobit:chunk", "threebit", "topk:0.01", "topk:0.1", "topk:0.04,entries=compact"])
 def test_the_batched_check_accepts_exactly_what_the_parts_accept(spec):
     """Every single-word corruption of a group's payload (and, for top-k, an index repeated or moved):
-    the group's check (a few reductions over every part first) rejects it exactly when a part's own check
-    does, naming the parameter, and a group's decode writes what the parts' decodes write, or raises."""
+    the group's check and decode agree with the parts' (:func:`_both_checks_agree`)."""
     grouped = PerParameter(gradcomp.from_spec(spec), NUMELS, dense_below=DENSE_BELOW)
     grad, _ = make(sum(NUMELS), torch.float32, seed=5)
     payload = grouped.compress(grad)
@@ -238,29 +273,54 @@ def test_the_batched_check_accepts_exactly_what_the_parts_accept(spec):
         for pattern in patterns + [int(words[word - 1]), int(words[word]) + 1]:
             bad = Payload(payload.layout, payload.buffer.clone())
             bad.buffer.view(torch.int32)[word] = pattern
-            by_part = None
-            for number, (part, own) in enumerate(grouped.parts_of(bad)):
-                if not part.dense:
-                    try:
-                        grouped.base.check_payload(own, part.numel)
-                    except ValueError:
-                        by_part = by_part if by_part is not None else number
-            if by_part is None:
-                validate_payload(grouped, bad, sum(NUMELS), rank=1)
-                decoded, expected = torch.zeros(sum(NUMELS)), torch.zeros(sum(NUMELS))
-                grouped.decompress_add(bad, decoded)
-                for part, own in grouped.parts_of(bad):
-                    target = expected[part.offset:part.offset + part.numel]
-                    if part.dense:
-                        target.add_(own[own.layout.segments[0].name].float())
-                    else:
-                        grouped.base.decompress_add(own, target)
-                torch.testing.assert_close(decoded, expected, rtol=0, atol=0, equal_nan=True)
-            else:
-                if spec.startswith("topk"):  # its decoders check indices themselves (quantizers: any code decodes)
-                    with pytest.raises(ValueError):
-                        grouped.decompress_add(bad, torch.zeros(sum(NUMELS)))
-                rejected += 1
-                with pytest.raises(PayloadError, match=rf"rank 1.*parameter {by_part} of the group"):
-                    validate_payload(grouped, bad, sum(NUMELS), rank=1)
+            rejected += _both_checks_agree(grouped, bad, sum(NUMELS))
     assert rejected > 100
+
+
+def test_compact_parts_of_many_chunks_check_and_decode_as_the_parts_do():
+    """Compact top-k over parameters of several 65536-element chunks (a part's last chunk short): the batched
+    compress, decode and sent positions equal the parts' own, and every corruption of a count (moved
+    between chunks, so the total holds, or not) or of a 16-bit index is judged as the parts judge it."""
+    numels = (70_000, 3000, 65_536, 10, 140_001)  # the last part's last chunk short: an index past the group
+    n = sum(numels)
+    base = gradcomp.TopK(0.02, entries="compact")
+    grouped = PerParameter(base, numels, dense_below=DENSE_BELOW)
+    assert isinstance(grouped._plan(torch.float32).sparse["cpu"], CompactParts)  # the fast path is under test
+    grad, residual = make(n, torch.float32, seed=13)
+    residual_out = torch.full_like(residual, float("nan"))
+    payload = grouped.compress(grad, residual, residual_out)
+    for part, own in grouped.parts_of(payload):
+        if not part.dense:
+            lo, hi = part.offset, part.offset + part.numel
+            alone_out = torch.empty(part.numel)
+            assert torch.equal(own.buffer, base.compress(grad[lo:hi], residual[lo:hi], alone_out).buffer)
+            assert torch.equal(residual_out[lo:hi], alone_out)
+    assert not _both_checks_agree(grouped, payload, n)
+    generator = torch.Generator().manual_seed(1)
+    rejected, accepted = 0, 0
+    for number, (part, own) in enumerate(grouped.parts_of(payload)):
+        if part.dense:
+            continue
+        for chunk in range(own["counts"].numel()):
+            for moved in ((chunk, chunk + 1), (chunk + 1, chunk), (chunk, None)):
+                bad = Payload(payload.layout, payload.buffer.clone())
+                counts = grouped.parts_of(bad)[number][1]["counts"]
+                if max(c for c in moved if c is not None) >= counts.numel():
+                    continue
+                counts[moved[0]] -= 1
+                if moved[1] is not None:
+                    counts[moved[1]] += 1
+                verdict = _both_checks_agree(grouped, bad, n)
+                rejected, accepted = rejected + verdict, accepted + (not verdict)
+                if moved[1] is not None:  # a negative count, the part's total kept
+                    counts[moved[1]] += int(counts[moved[0]]) + 1
+                    counts[moved[0]] = -1
+                    rejected += _both_checks_agree(grouped, bad, n)
+        local = own["local"]
+        for slot in torch.randperm(local.numel(), generator=generator)[:12].tolist() + [0, local.numel() - 1]:
+            for value in (-1, 0, 32767, -32768, int(local[slot]) + 1, int(local[slot - 1])):
+                bad = Payload(payload.layout, payload.buffer.clone())
+                grouped.parts_of(bad)[number][1]["local"][slot] = value
+                verdict = _both_checks_agree(grouped, bad, n)
+                rejected, accepted = rejected + verdict, accepted + (not verdict)
+    assert rejected > 50 and accepted > 10

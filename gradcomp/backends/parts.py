@@ -23,19 +23,17 @@ the same slices.
 
 :func:`parts_valid` is the received payload's check, the quantizers' ``check_payload`` rules over every part
 in a few reductions; a payload it rejects is checked again part by part, which names the part and the fault.
-:func:`sparse_entries` is top-k's: every part's indices checked at once, and their group positions, which
-decode every part with one ``index_add_``.
+Top-k's forms are in :mod:`gradcomp.backends.sparse_parts`.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Sequence, Tuple
 
 import torch
 
 from gradcomp.validation import within
 
-__all__ = ["Part", "PartIndex", "SparseParts", "geometry", "spans", "check_parts", "looped", "part_index",
-           "parts_valid", "sparse_entries"]
+__all__ = ["Part", "PartIndex", "geometry", "spans", "check_parts", "looped", "part_index", "parts_valid"]
 
 
 class Part(NamedTuple):
@@ -135,32 +133,3 @@ def parts_valid(words: torch.Tensor, index: PartIndex) -> bool:
     if index.last.numel() and bool(((words.index_select(0, index.last) >> index.shifts) != 0).any()):
         return False
     return within(words.view(torch.float32).index_select(0, index.scales), 0, torch.finfo(torch.float32).max)
-
-
-class SparseParts(NamedTuple):
-    """A group's top-k parts (int64 ``[parts]`` each: a few numbers a parameter, so a plan kept for every
-    density of a ramp costs nothing next to the model): entries, where the values (in the values' dtype)
-    and the indices (int32) start in the buffer, the part's first element and element count."""
-    counts: torch.Tensor
-    values: torch.Tensor
-    indices: torch.Tensor
-    offsets: torch.Tensor
-    limits: torch.Tensor
-
-    def to(self, device) -> "SparseParts":
-        return SparseParts(*(column.to(device) for column in self))
-
-
-def sparse_entries(words: torch.Tensor, parts: SparseParts) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """``(group positions, value slots)`` (int64) of every top-k part's entries, or ``None`` unless each
-    part's indices strictly increase inside ``[0, numel)``: the top-k check of every part in three
-    reductions (as the parts' ranges follow one another, that is every index in its part's range and the
-    group positions strictly increasing). ``words``: the buffer's int32 view, not mutated."""
-    total = int(parts.counts.sum())
-    owner = torch.repeat_interleave(torch.arange(parts.counts.numel(), device=words.device), parts.counts,
-                                    output_size=total)
-    rank = torch.arange(total, device=words.device) - (torch.cumsum(parts.counts, 0) - parts.counts)[owner]
-    local = words.index_select(0, parts.indices[owner] + rank).long()
-    group = local + parts.offsets[owner]
-    ok = bool((local >= 0).all() & (local < parts.limits[owner]).all() & (group[1:] > group[:-1]).all())
-    return (group, parts.values[owner] + rank) if ok else None

@@ -23,12 +23,13 @@ rank.
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from gradcomp.backends import kernel_parts
-from gradcomp.backends.parts import Part, PartIndex, SparseParts, part_index, parts_valid, sparse_entries
+from gradcomp.backends import kernel, kernel_parts
+from gradcomp.backends.parts import Part, PartIndex, part_index, parts_valid
+from gradcomp.backends.sparse_parts import CompactParts, SparseParts
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.topk import TopK
 from gradcomp.payload import Payload, PayloadLayout
@@ -54,8 +55,8 @@ class _Plan(NamedTuple):
     #: The dense parts' elements in the group and their slots in the buffer viewed as the dtype (int64, one
     #: pair per device: a gather and a scatter for all of them), or ``None`` when no part is dense.
     dense: Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]]
-    #: A top-k base's parts, by device (:class:`SparseParts`), or ``None``.
-    sparse: Optional[Dict[str, SparseParts]]
+    #: A top-k base's parts, by device (:class:`SparseParts` or :class:`CompactParts`), or ``None``.
+    sparse: Optional[Dict[str, Union[SparseParts, CompactParts]]]
 
 
 class PerParameter(Compressor):
@@ -111,15 +112,33 @@ class PerParameter(Compressor):
                                                   self._sparse_plan(placed, dtype))
         return cached
 
-    def _sparse_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, SparseParts]]:
-        """:attr:`_Plan.sparse` of the parts ``placed``: for a :class:`TopK` base with int32 indices
-        (compact entries decode part by part)."""
-        if type(self.base) is not TopK or self.base.compact or self.numel >= 2**31:
+    def _sparse_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, Union[SparseParts, CompactParts]]]:
+        """:attr:`_Plan.sparse` of the parts ``placed``: for a :class:`TopK` base with int32 indices."""
+        if type(self.base) is not TopK or self.numel >= 2**31:
             return None
-        rows = [(own.segments[0].numel, (at + own.segments[0].offset) // dtype.itemsize,
-                 (at + own.segments[1].offset) // 4, part.offset, part.numel)
+        kept = [(part, at, {s.name: s for s in own.segments})
                 for part, (at, own) in zip(self.parts, placed) if not part.dense]
-        return {"cpu": SparseParts(*(torch.tensor(column) for column in zip(*rows)))} if rows else None
+        if not kept:
+            return None
+        if self.base.compact:
+            return {"cpu": self._compact_plan(kept)}
+        rows = [(own["values"].numel, (at + own["values"].offset) // dtype.itemsize,
+                 (at + own["indices"].offset) // 4, part.offset, part.numel) for part, at, own in kept]
+        return {"cpu": SparseParts(*(torch.tensor(column) for column in zip(*rows)))}
+
+    @staticmethod
+    def _compact_plan(kept) -> CompactParts:
+        """The :class:`CompactParts` of the compressed parts ``kept`` (``(part, byte offset, segments by name)``)."""
+        rows, chunks, first = [], [], 0
+        for number, (part, at, own) in enumerate(kept):
+            counts = own["counts"]
+            rows.append((own["values"].numel, (at + own["values"].offset) // 2, (at + own["local"].offset) // 2,
+                         part.offset, first))
+            for c in range(counts.numel):
+                chunks.append(((at + counts.offset) // 4 + c, number, part.offset + c * CompactParts.CHUNK,
+                               min(CompactParts.CHUNK, part.numel - c * CompactParts.CHUNK)))
+            first += counts.numel
+        return CompactParts(*(torch.tensor(column) for column in (*zip(*rows), *zip(*chunks))))
 
     def _dense_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
         """:attr:`_Plan.dense` of the parts ``placed`` (each a dense part's values at its start)."""
@@ -147,8 +166,8 @@ class PerParameter(Compressor):
         found = held.get(str(device))
         if found is None:
             cpu = held["cpu"]
-            found = held[str(device)] = cpu.to(device) if isinstance(cpu, (PartIndex, SparseParts)) else tuple(
-                index.to(device) for index in cpu)
+            moves = isinstance(cpu, (PartIndex, SparseParts, CompactParts))  # else a tuple of index tensors
+            found = held[str(device)] = cpu.to(device) if moves else tuple(index.to(device) for index in cpu)
         return found
 
     def compress(self, tensor, residual=None, residual_out=None, backend: Optional[str] = None) -> Payload:
@@ -162,6 +181,8 @@ class PerParameter(Compressor):
         if plan.batched:
             kernel_parts(self.base.part_ops[0], tensor.device, backend)(
                 tensor, residual, residual_out, payload.buffer.view(torch.int32), plan.batched)
+        elif plan.sparse is not None:
+            self._sparse_compress(tensor, residual, residual_out, payload, plan, backend)
         elif plan.batched is None:
             for part, own in self.parts_of(payload, tensor.dtype):
                 if not part.dense:
@@ -182,6 +203,27 @@ class PerParameter(Compressor):
                 residual_out.index_copy_(0, elements, acc - values.float())
         return payload
 
+    def _sparse_compress(self, tensor, residual, residual_out, payload: Payload, plan: _Plan, backend) -> None:
+        """Every top-k part selected by the base's kernel straight into its own segments (wide entries), or
+        into one selection of the group that :meth:`CompactParts.encode` writes at once (compact entries):
+        bitwise the base's ``compress`` part by part, without a payload allocated and copied per part."""
+        op = kernel("topk_compress", tensor.device, backend)
+        kept = [part for part in self.parts if not part.dense]
+        if self.base.compact:
+            ks = [self.base.k(part.numel) for part in kept]
+            values = torch.empty(sum(ks), dtype=tensor.dtype, device=tensor.device)
+            indices = torch.empty(sum(ks), dtype=torch.int32, device=tensor.device)
+            targets = zip(values.split(ks), indices.split(ks))
+        else:
+            targets = ((own["values"], own["indices"]) for part, own in self.parts_of(payload, tensor.dtype)
+                       if not part.dense)
+        for part, (chosen, at) in zip(kept, targets):
+            piece = slice(part.offset, part.offset + part.numel)
+            op(tensor[piece], None if residual is None else residual[piece],
+               None if residual_out is None else residual_out[piece], chosen, at)
+        if self.base.compact:
+            self._on(plan.sparse, tensor.device).encode(values, indices, payload.buffer, residual_out)
+
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         dtype = check_layout(self, payload, self.numel)
         plan = self._plan(dtype)
@@ -201,10 +243,10 @@ class PerParameter(Compressor):
     def _sparse_add(self, payload: Payload, plan: _Plan, dtype: torch.dtype, out: torch.Tensor) -> bool:
         """``out += `` every top-k part's entries in one ``index_add_`` (as the kernels, ``out[i] + value``),
         if every part's indices are valid; ``False`` (nothing written) if not."""
-        entries = sparse_entries(payload.buffer.view(torch.int32), self._on(plan.sparse, out.device))
+        entries = self._on(plan.sparse, out.device).entries(payload.buffer, dtype)
         if entries is None:
             return False
-        out.index_add_(0, entries[0], payload.buffer.view(dtype).index_select(0, entries[1]).float())
+        out.index_add_(0, entries[0], entries[1].float())
         return True
 
     def check_payload(self, payload: Payload, numel: int) -> None:
@@ -217,7 +259,7 @@ class PerParameter(Compressor):
         words = payload.buffer.view(torch.int32)
         if plan.index is not None and parts_valid(words, self._on(plan.index, words.device)):
             return
-        if plan.sparse is not None and sparse_entries(words, self._on(plan.sparse, words.device)) is not None:
+        if plan.sparse is not None and self._on(plan.sparse, words.device).entries(payload.buffer, dtype) is not None:
             return
         for number, (part, own) in enumerate(self.parts_of(payload, dtype)):
             if not part.dense:
@@ -232,6 +274,11 @@ class PerParameter(Compressor):
         """Group positions the compressed parts sent whole (int64), for a sparsifying base."""
         if not self.sparsifies:
             return None
+        dtype = check_layout(self, payload, self.numel)
+        sparse = self._plan(dtype).sparse
+        entries = None if sparse is None else self._on(sparse, payload.buffer.device).entries(payload.buffer, dtype)
+        if entries is not None:
+            return entries[0]
         found = [self.base.sent_indices(own).to(torch.int64) + part.offset
                  for part, own in self.parts_of(payload) if not part.dense]
         if not found:
