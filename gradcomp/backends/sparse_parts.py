@@ -75,6 +75,7 @@ class CompactParts(NamedTuple):
     chunk_base: torch.Tensor
     chunk_limit: torch.Tensor
 
+    #: Elements per chunk: :attr:`gradcomp.compressors.TopK.CHUNK` (kept here too: backends import no compressor).
     CHUNK = 1 << 16
 
     def to(self, device) -> "CompactParts":

@@ -121,6 +121,7 @@ class PerParameter(Compressor):
         if not kept:
             return None
         if self.base.compact:
+            assert TopK.CHUNK == CompactParts.CHUNK, "compact chunks differ between the payload and its plan"
             return {"cpu": self._compact_plan(kept)}
         rows = [(own["values"].numel, (at + own["values"].offset) // dtype.itemsize,
                  (at + own["indices"].offset) // 4, part.offset, part.numel) for part, at, own in kept]
