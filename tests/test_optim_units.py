@@ -272,3 +272,33 @@ def test_the_suspension_is_checkpointed_and_checked():
     # A checkpoint saved before the suspension existed loads as not suspended, frozen at freeze_step.
     other.load_state_dict({"freeze_step": 10, "exchange": "gradient", "variance_floor": 0.1})
     assert (other.suspended, other.frozen_at) == (False, None)
+
+
+def _notices_under(lrs, freeze_step=3):
+    """The RecipeNotices of a run whose learning rate is set by hand to ``lrs[step]`` before each step."""
+    import warnings
+
+    net = small_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lrs[0])
+    FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=freeze_step)
+    generator = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for lr in lrs:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad()
+            net(torch.randn(4, 6, generator=generator)).square().sum().backward()
+            optimizer.step()
+    return [str(w.message) for w in caught if issubclass(w.category, gradcomp.RecipeNotice)]
+
+
+def test_a_freeze_inside_a_hand_set_warm_up_is_said_once():
+    """The variance freezes after 3 steps of an 8-step warm-up set by hand: one notice, naming the rise."""
+    notices = _notices_under([1e-3 * min(1.0, (step + 1) / 8) for step in range(12)])
+    assert len(notices) == 1, notices
+    assert "froze after 3 steps" in notices[0] and "0.0005 at the freeze, 0.000625 1 steps later" in notices[0]
+    # The warm-up over before the freeze, a decaying rate, a rise long after the freeze: nothing to say.
+    assert _notices_under([1e-3] * 12) == []
+    assert _notices_under([1e-3 * 0.9 ** step for step in range(12)]) == []
+    assert _notices_under([1e-3] * 8 + [2e-3] * 4) == []

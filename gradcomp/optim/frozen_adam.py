@@ -108,6 +108,9 @@ class FrozenVarianceAdam:
         self._pending: Dict[Tuple[Hashable, ...], List[Tuple[Hashable, torch.Tensor]]] = {}
         # Gradients cleared so that the optimizer's own step skips their parameters, put back after it.
         self._cleared: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
+        # The learning rate each param group had at its first frozen step, and whether a rise was reported.
+        self._lr_at_freeze: Dict[int, float] = {}
+        self._warned_warmup = False
         # after_closure: in optimizer.step(closure) this step's gradients exist only after the closure.
         self._hook = None
         if step_hook:
@@ -267,10 +270,11 @@ class FrozenVarianceAdam:
         ``grad`` so that the optimizer's own step skips it, until :meth:`after_optimizer_step` puts it back."""
         optimizer = self.optimizer
         self._cleared = []
-        for group in optimizer.param_groups:
+        for index, group in enumerate(optimizer.param_groups):
             params = [p for p in group["params"] if p.grad is not None and self.frozen(p)]
             if not params:
                 continue
+            self._watch_warmup(index, group, self._steps_done(params[0]) - self.freeze_step)
             states = [optimizer.state[p] for p in params]
             frozen_update(params, [state["exp_avg"] for state in states], [p.grad for p in params],
                           [self._denom(p, group) for p in params], [self._steps_done(p) + 1 for p in params],
@@ -279,6 +283,28 @@ class FrozenVarianceAdam:
                 state["step"] += 1
                 self._cleared.append((param, param.grad))
                 param.grad = None
+
+    def _watch_warmup(self, index: int, group: dict, since_freeze: int) -> None:
+        """Say once (a :class:`~gradcomp.setup.RecipeNotice`, rank 0) when param group ``index``'s learning
+        rate rises within ``freeze_step`` steps after the freeze: the variance then froze inside an LR
+        warm-up longer than the dense start, which the recipe sees only through a scheduler; a learning
+        rate set by hand each step hides it. Its denominators then describe the warm-up's first gradients:
+        under AdamW an unclipped GPT froze so at 9 and at 17 of a 20-step warm-up and did not train
+        (``experiments/results/research-steady-freeze/``). Reads ``group["lr"]``; changes nothing."""
+        lr = float(group["lr"])
+        first = self._lr_at_freeze.setdefault(index, lr)
+        if self._warned_warmup or since_freeze > self.freeze_step or not lr > first * 1.01:
+            return
+        from gradcomp.setup import notice  # the set-up imports the stages
+
+        self._warned_warmup = True
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        notice(f"Adam's variance froze after {self.freeze_step} steps, but param group {index}'s learning rate "
+               f"kept rising after it ({first:.3g} at the freeze, {lr:.3g} {since_freeze} steps later): the freeze "
+               "fell inside a warm-up longer than the dense start, and the frozen denominators describe the "
+               "warm-up's first gradients (an unclipped GPT froze so and did not train). The recipe sees a "
+               "warm-up through register(..., scheduler=...), not a learning rate set by hand; clipping the "
+               "gradient's norm kept every such run training", rank0)
 
     def after_optimizer_step(self) -> None:
         """Put back the gradients :meth:`before_optimizer_step` cleared (each ``param.grad`` is

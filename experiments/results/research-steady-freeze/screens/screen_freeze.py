@@ -9,9 +9,13 @@ screen runs the study's AdamW loop of ``WORKLOAD`` for ``STEPS`` steps (the in-p
 ranks, the study's evaluations every 2 % of the run) as ``CODE``: ``dense``, ``threebit`` (the threshold
 set to 0: 3-bit whatever its dense start) or ``ternary`` (set beyond any run: the ternary code).
 
+``MIN_DENSE`` (optional) holds the dense start to at least that many steps, the byte budget notwithstanding:
+does a freeze after the loop's learning-rate warm-up (20 steps in the GPT loop, set by hand) train the runs
+that froze inside it?
+
 Usage, from the repository root:
 ``PYTHONPATH=. python experiments/results/research-steady-freeze/screens/screen_freeze.py CODE LOG WORKLOAD
-STEPS [SEED]`` (seed 0 unless named).
+STEPS [SEED [MIN_DENSE]]`` (seed 0 unless named).
 """
 import sys
 
@@ -22,15 +26,18 @@ from experiments import (
     simrun,
 )
 from experiments.convergence import RunSpec
+from gradcomp import recipe
 from gradcomp.optim import adam_settings
 
 THRESHOLDS = {"threebit": 0, "ternary": 10**9}
 
 
-def main(code: str, log: str, workload: str, steps: str, seed: str = "0") -> None:
+def main(code: str, log: str, workload: str, steps: str, seed: str = "0", min_dense: str = "0") -> None:
     torch.set_num_threads(1)
     if code != "dense":
         adam_settings.MIN_STEADY_FREEZE = THRESHOLDS[code]
+    dense_start = recipe._dense_start
+    recipe._dense_start = lambda *args, **kwargs: max(int(min_dense), dense_start(*args, **kwargs))
     method = "dense" if code == "dense" else "twobit"
     simrun.run(RunSpec(workload, "adamw", method, int(seed), int(steps), max(1, int(steps) // 50)), log)
 
