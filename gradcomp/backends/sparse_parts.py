@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["SparseParts", "CompactParts"]
+__all__ = ["SparseParts", "CompactParts", "signed16"]
 
 
 def _owners(counts: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +33,12 @@ def _owners(counts: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tenso
                                     output_size=total)
     rank = torch.arange(total, device=counts.device) - (torch.cumsum(counts, 0) - counts)[owner]
     return owner, rank
+
+
+def signed16(low: torch.Tensor) -> torch.Tensor:
+    """``low`` (int64, each in ``[0, 65536)``: an index inside its chunk) as the int16 a compact payload
+    stores: the same 16 bits, read back unsigned by ``& 0xFFFF``."""
+    return (low - ((low & (1 << 15)) << 1)).to(torch.int16)
 
 
 class SparseParts(NamedTuple):
@@ -111,8 +117,6 @@ class CompactParts(NamedTuple):
         if residual_out is not None:
             residual_out.index_put_((wide + self.offsets[owner],), values.to(torch.float32) - sent.to(torch.float32),
                                     accumulate=True)
-        low = wide & (self.CHUNK - 1)
-        buffer.view(torch.int16).index_copy_(0, self.local[owner] + entry,
-                                             (low - ((low & (self.CHUNK >> 1)) << 1)).to(torch.int16))
+        buffer.view(torch.int16).index_copy_(0, self.local[owner] + entry, signed16(wide & (self.CHUNK - 1)))
         counts = torch.bincount(self.first_chunk[owner] + wide // self.CHUNK, minlength=self.count_words.numel())
         buffer.view(torch.int32).index_copy_(0, self.count_words, counts.to(torch.int32))

@@ -8,6 +8,7 @@ import torch
 
 from gradcomp.backends import kernel
 from gradcomp.backends.checks import topk_index_problem
+from gradcomp.backends.sparse_parts import signed16
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.registry import spec_name
 from gradcomp.payload import Payload, PayloadLayout
@@ -133,8 +134,7 @@ def compact_encode(values: torch.Tensor, indices: torch.Tensor, payload: Payload
     if residual_out is not None:
         rounded = values.to(torch.float32) - sent.to(torch.float32)
         residual_out.index_put_((wide,), rounded, accumulate=True)
-    low = wide & (chunk - 1)
-    payload["local"].copy_(low - ((low & (chunk >> 1)) << 1))  # the low 16 bits, as a signed int16
+    payload["local"].copy_(signed16(wide & (chunk - 1)))
     counts = torch.bincount(wide // chunk, minlength=payload["counts"].numel())
     payload["counts"].copy_(counts[: payload["counts"].numel()])
 
