@@ -31,11 +31,16 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   -1.4/+4.7% (before: -2.4/+18.2/-20.3/-1.6/+4.4%; seeds 1 and 2 jump early, dense on seed 2 too).
 * **dense start** ``D``: the end of the learning-rate warm-up, read from the LR scheduler (the step
   of its peak learning rate, found by stepping a copy of it), and at least :data:`DENSE_FRACTION` of
-  the run, :data:`ADAM_DENSE_FRACTION` under Adam (its second moment is estimated there, then frozen;
-  a loop that sets the rate by hand hides its warm-up), as far as the byte budget allows: compression
-  that starts inside the warm-up stores the large early gradients and releases them late, but the
-  budget is the user's promise, so a warm-up too long for it is cut short, with a notice. Bytes are
-  counted from each compressed parameter's own payload layout (:mod:`gradcomp.recipe_bytes`).
+  the run, :data:`ADAM_DENSE_FRACTION` under Adam (its second moment is estimated there, then frozen),
+  as far as the byte budget allows. Compression that starts inside the warm-up stores the large early
+  gradients and releases them late, but the budget is the user's promise, so a scheduler's warm-up too
+  long for it is cut short, with a notice (measured harmless where it happens in the study: charlm-small,
+  AdamW, 200 steps, 8 dense steps of a 20-step warm-up, -0.3%). A loop that sets the rate by hand (no
+  scheduler) hides its warm-up from the plan, and under Adam a variance frozen inside it kept an unclipped
+  GPT from training: there the stage reads the rate at every step and holds the freeze, and with it the
+  dense start, until the rate stops rising, up to :data:`ADAM_DENSE_FRACTION` of the run, the schedule
+  shifted by as many steps and what it costs in bytes said (:mod:`gradcomp.optim.freeze_gate`). Bytes
+  are counted from each compressed parameter's own payload layout (:mod:`gradcomp.recipe_bytes`).
 * **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
   affords down to the density asked, each stage as long as the byte budget (``min_compression`` x fewer
   bytes than dense over the whole run) allows, over :data:`RAMP_MIN_FRACTION` to :data:`RAMP_FRACTION`
@@ -80,6 +85,7 @@ import torch
 
 from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
 from gradcomp.recipe_bytes import Traffic, bytes_per_element
+from gradcomp.recipe_stage import optimizer_stage
 from gradcomp.schedule import DenseWarmup, PlannedSchedule, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
@@ -284,15 +290,32 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     if expected * 1.001 < budget:
         notes.append(f"the dense start ({dense_steps} steps) and the ramp of this {total_steps}-step run leave "
                      f"{expected:.1f}x fewer bytes, under the {budget:.0f}x asked")
-    transform, stage_name = _optimizer_stage(optimizer, compressor, list(named_parameters), dense_steps, notes,
-                                             step_hook, sharded)
-    result = Plan(compressor, total_steps, dense_steps, PlannedSchedule(schedule, total_steps, announce), transform,
-                  stage_name, expected, tuple(notes), granularity=_granularity(optimizer, compressor),
+    latest = (max(dense_steps, math.ceil(ADAM_DENSE_FRACTION * total_steps)) if scheduler is None else dense_steps)
+    transform, stage_name = optimizer_stage(optimizer, compressor, list(named_parameters), dense_steps, notes,
+                                            step_hook, sharded, latest, _delay_cost(compressor, traffic, total_steps,
+                                                                                    expected, budget))
+    result = Plan(compressor, total_steps, dense_steps,
+                  PlannedSchedule(schedule, total_steps, announce,
+                                  transform if hasattr(transform, "compresses_at") else None),
+                  transform, stage_name, expected, tuple(notes), granularity=_granularity(optimizer, compressor),
                   residual_decay=_residual_decay(optimizer, compressor))
     notice(f"recipe: {result.summary}", announce)
     for note in notes:
         notice(f"recipe: {note}", announce)
     return result
+
+
+def _delay_cost(compressor, traffic: Traffic, total_steps: int, expected: float, budget: float):
+    """``cost(delay) -> str``: the run's compression once its dense start is ``delay`` steps longer (the plan
+    after it shifted by as many steps, the last steps of the final setting dropped), for the freeze's notice."""
+    final = bytes_per_element(compressor, None, traffic)
+
+    def cost(delay: int) -> str:
+        ratio = total_steps / (total_steps / expected + delay * (1 - final))
+        short = f", under the {budget:g}x asked" if ratio * 1.001 < budget else ""
+        return f"about {ratio:.1f}x fewer bytes than dense over the run{short}"
+
+    return cost
 
 
 def code(compressor, optimizer=None, total_steps: int = 1, scheduler=None, traffic: Optional[Traffic] = None,
@@ -361,27 +384,3 @@ def _granularity(optimizer, compressor) -> Optional[str]:
 def _residual_decay(optimizer, compressor) -> float:
     """:data:`RESIDUAL_DECAY` for 3-bit under SGD (module docstring), else 1."""
     return RESIDUAL_DECAY if isinstance(compressor, ThreeBit) and isinstance(optimizer, torch.optim.SGD) else 1.0
-
-
-def _optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list, step_hook: bool = True,
-                     sharded: bool = False):
-    """``(transform, description)`` for ``optimizer`` (``sharded``: FSDP's, no SGD stage)."""
-    from gradcomp.optim import DelayedMomentumSGD, FrozenVarianceAdam
-
-    if isinstance(optimizer, torch.optim.Adam):
-        exchange = "momentum" if compressor.sparsifies else "gradient"
-        stage = FrozenVarianceAdam(optimizer, named, freeze_step=dense_steps, exchange=exchange, step_hook=step_hook)
-        shortened = f", its beta1 shortened by {stage.delay_steps:g} steps' delay" if stage.delay_steps else ""
-        return stage, (f"frozen-variance {type(optimizer).__name__} (freeze at step {dense_steps}, each rank's "
-                       f"{'first moment' if exchange == 'momentum' else 'gradient'} sent in update units{shortened})")
-    if isinstance(optimizer, torch.optim.SGD):
-        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
-        if momentum and compressor.sparsifies and not sharded:
-            stage = DelayedMomentumSGD(optimizer, named, step_hook=step_hook)
-            return stage, (f"error feedback into SGD (its momentum after the exchange, shortened by "
-                           f"{stage.delay_steps:g} steps' delay on compressed steps)")
-        return None, f"error feedback into SGD{' (its momentum after the exchange)' if momentum else ''}"
-    if optimizer is not None:
-        notes.append(f"{type(optimizer).__name__} has no optimizer-aware stage: plain error feedback with "
-                     f"{dense_steps} dense steps; SGD and Adam/AdamW have recipes")
-    return None, "error feedback"

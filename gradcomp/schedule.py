@@ -215,10 +215,15 @@ class PlannedSchedule:
     (checkpoints and the cross-rank check see ``inner`` alone). Past ``total_steps`` it keeps the
     final setting and says so once; at interpreter exit a run that stopped before half of
     ``total_steps`` says so too (its dense start and ramp were sized for the whole run).
+
+    ``gate``: an optimizer stage whose ``compresses_at(step)`` may hold the dense start past ``inner``'s
+    (Adam's freeze waiting for the learning rate to stop rising, :mod:`gradcomp.optim.freeze_gate`): such
+    steps are dense, and the steps after them run ``inner``'s plan ``gate.freeze_delay`` steps late (the
+    delay is kept in the stage's checkpoint).
     """
 
-    def __init__(self, inner, total_steps: int, announce: bool = True):
-        self.inner, self.total_steps, self.announce = inner, total_steps, announce
+    def __init__(self, inner, total_steps: int, announce: bool = True, gate=None):
+        self.inner, self.total_steps, self.announce, self.gate = inner, total_steps, announce, gate
         self.dense_steps = getattr(inner, "dense_steps", None)
         self.furthest = -1
         self._said_longer = False
@@ -234,6 +239,10 @@ class PlannedSchedule:
             notice(f"the run reached step {step}, past the total_steps={self.total_steps} its recipe was planned "
                    "for (register(..., total_steps=) counts optimizer steps); it keeps the final setting",
                    self.announce)
+        if self.gate is not None and self.dense_steps is not None and step >= self.dense_steps:
+            if not self.gate.compresses_at(step):
+                return None
+            step -= self.gate.freeze_delay
         return self.inner.compressor_at(step, base)
 
     def _say_if_short(self) -> None:

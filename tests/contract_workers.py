@@ -34,7 +34,7 @@ def batch(rank: int, step: int, size: int = 16):
 
 
 def lr_at(config: dict, step: int) -> float:
-    warmup = 4
+    warmup = config.get("warmup", 4)
     peak = config["lr"]
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -150,7 +150,14 @@ class Rank:
 
     def result(self) -> dict:
         return {**self.log, "params": [p.detach().clone() for p in self.model.parameters()],
-                "stats": self.state.stats()["total"] if self.state is not None else None}
+                "stats": self.state.stats()["total"] if self.state is not None else None,
+                "opened": freeze_opened(self.state.engine if self.state is not None else None)}
+
+
+def freeze_opened(engine):
+    """The step the Adam stage's variance froze at (``None``: no Adam stage, or not frozen yet)."""
+    gate = getattr(getattr(engine, "transform", None), "gate", None)
+    return gate.opened if gate is not None else None
 
 
 def ddp_worker(rank: int, world_size: int, config: dict) -> dict:
@@ -222,4 +229,5 @@ def simulated(config: dict, world_size: int = 2) -> list:
             step(config, optimizer, schedulers[id(optimizer)], scalers[rank])
     for rank, replica in enumerate(sim.replicas):
         logs[rank]["params"] = [p.detach().clone() for p in replica.parameters()]
+        logs[rank]["opened"] = freeze_opened(sim.engines[rank] if sim.engines else None)
     return logs

@@ -5,7 +5,8 @@ The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrang
 
 1. **Dense start** (the optimizer's first ``freeze_step`` steps): the user's own Adam on densely
    averaged gradients, untouched; its second moment ``exp_avg_sq`` is estimated there.
-2. **Freeze**: at the first compressed step each parameter's denominator
+2. **Freeze**: at the first compressed step (``freeze_step``; with ``latest_freeze``, the first step after
+   it whose learning rate stopped rising, :mod:`gradcomp.optim.freeze_gate`) each parameter's denominator
    ``d = max(sqrt(v_hat), floor * mean sqrt(v_hat)) + eps`` is computed once from ``exp_avg_sq`` and
    kept in the optimizer's state (``"frozen_denom"``); the floor keeps never-updated coordinates from
    huge steps. A live variance would see error feedback's bursts (a coordinate sent once in ``T``
@@ -59,6 +60,7 @@ from gradcomp.optim.adam_settings import (
     optimizer_settings,
 )
 from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_density
+from gradcomp.optim.freeze_gate import FreezeGate
 from gradcomp.optim.frozen_update import bounded_step, frozen_update
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
@@ -78,6 +80,9 @@ class FrozenVarianceAdam:
             compresses at density 1 % (:data:`~gradcomp.optim.delayed_momentum.DELAY_STEPS`; 0: ``b1`` as it is).
         variance_floor: floor of a frozen ``sqrt(v_hat)`` as a fraction of the tensor's mean.
         bounded: scale back a frozen step whose root mean square passes 1 (the module docstring's point 4).
+        latest_freeze: from ``freeze_step`` on, the freeze waits while a param group's learning rate still
+            rises, up to this step (:mod:`gradcomp.optim.freeze_gate`); ``None``: at ``freeze_step``.
+        freeze_cost: ``cost(delay) -> str``, what a later freeze costs, for its notice (the recipe's bytes).
         step_hook: register :meth:`before_optimizer_step` as the optimizer's step pre-hook (DDP);
             in ``optimizer.step(closure)`` it runs after the closure (:mod:`gradcomp.optim.step_hook`).
             An integration whose ``step()`` first averages the gradients (Horovod's optimizer)
@@ -86,7 +91,8 @@ class FrozenVarianceAdam:
 
     def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], freeze_step: int,
                  exchange: str = "gradient", variance_floor: float = 0.1, step_hook: bool = True,
-                 delay_steps: float = DELAY_STEPS, bounded: bool = False):
+                 delay_steps: float = DELAY_STEPS, bounded: bool = False, latest_freeze: Optional[int] = None,
+                 freeze_cost=None):
         check_optimizer(optimizer, freeze_step, exchange, variance_floor)
         if not float(delay_steps) >= 0:
             raise ValueError(f"delay_steps must be >= 0, got {delay_steps!r}")
@@ -108,9 +114,8 @@ class FrozenVarianceAdam:
         self._pending: Dict[Tuple[Hashable, ...], List[Tuple[Hashable, torch.Tensor]]] = {}
         # Gradients cleared so that the optimizer's own step skips their parameters, put back after it.
         self._cleared: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
-        # The learning rate each param group had at its first frozen step, and whether a rise was reported.
-        self._lr_at_freeze: Dict[int, float] = {}
-        self._warned_warmup = False
+        #: When the variance freezes: ``freeze_step``, or later while the learning rate rises (``latest_freeze``).
+        self.gate = FreezeGate(freeze_step, latest_freeze, freeze_cost)
         # after_closure: in optimizer.step(closure) this step's gradients exist only after the closure.
         self._hook = None
         if step_hook:
@@ -131,7 +136,24 @@ class FrozenVarianceAdam:
 
     def frozen(self, param) -> bool:
         """Whether ``param``'s variance is frozen (its exchange is then compressed)."""
-        return not self.suspended and self._steps_done(param) >= self.freeze_step
+        if self.suspended:
+            return False
+        done = self._steps_done(param)
+        opened = self.gate.open_at(done, self.optimizer)
+        return opened is not None and done >= opened
+
+    def compresses_at(self, step: int) -> bool:
+        """Whether the variance is frozen by optimizer step ``step``, deciding the freeze there if it is
+        still open (:class:`~gradcomp.optim.freeze_gate.FreezeGate`): the recipe's schedule asks it at each
+        step from its dense start on, keeps the step dense while it is not, and shifts what follows by
+        :attr:`FreezeGate.delay <gradcomp.optim.freeze_gate.FreezeGate.delay>`."""
+        opened = self.gate.open_at(step, self.optimizer)
+        return opened is not None and step >= opened
+
+    @property
+    def freeze_delay(self) -> int:
+        """Steps the freeze came after ``freeze_step`` (0 while undecided)."""
+        return self.gate.delay
 
     def _denom(self, param, group) -> torch.Tensor:
         state = self.optimizer.state[param]
@@ -145,7 +167,9 @@ class FrozenVarianceAdam:
         return denom
 
     def _frozen_at(self) -> int:
-        return self.freeze_step if self.frozen_at is None else self.frozen_at
+        if self.frozen_at is not None:
+            return self.frozen_at
+        return self.freeze_step if self.gate.opened is None else self.gate.opened
 
     # -- stepping aside while nothing is compressed -------------------------------------------
     @torch.no_grad()
@@ -175,7 +199,7 @@ class FrozenVarianceAdam:
         if not self.suspended:
             return
         self.suspended = False
-        self.frozen_at = max([self.freeze_step] + [self._steps_done(p) for p in self.names.values()])
+        self.frozen_at = max([self._frozen_at()] + [self._steps_done(p) for p in self.names.values()])
 
     def _pieces(self, keys, numels, flat: torch.Tensor):
         """``(key, parameter, its group, its slice of flat)`` of the frozen parameters laid out in ``flat``."""
@@ -274,7 +298,7 @@ class FrozenVarianceAdam:
             params = [p for p in group["params"] if p.grad is not None and self.frozen(p)]
             if not params:
                 continue
-            self._watch_warmup(index, group, self._steps_done(params[0]) - self.freeze_step)
+            self.gate.watch(index, group, self._steps_done(params[0]) - self._frozen_at())
             states = [optimizer.state[p] for p in params]
             frozen_update(params, [state["exp_avg"] for state in states], [p.grad for p in params],
                           [self._denom(p, group) for p in params], [self._steps_done(p) + 1 for p in params],
@@ -283,28 +307,7 @@ class FrozenVarianceAdam:
                 state["step"] += 1
                 self._cleared.append((param, param.grad))
                 param.grad = None
-
-    def _watch_warmup(self, index: int, group: dict, since_freeze: int) -> None:
-        """Say once (a :class:`~gradcomp.setup.RecipeNotice`, rank 0) when param group ``index``'s learning
-        rate rises within ``freeze_step`` steps after the freeze: the variance then froze inside an LR
-        warm-up longer than the dense start, which the recipe sees only through a scheduler; a learning
-        rate set by hand each step hides it. Its denominators then describe the warm-up's first gradients:
-        under AdamW an unclipped GPT froze so at 9 and at 17 of a 20-step warm-up and did not train
-        (``experiments/results/research-steady-freeze/``). Reads ``group["lr"]``; changes nothing."""
-        lr = float(group["lr"])
-        first = self._lr_at_freeze.setdefault(index, lr)
-        if self._warned_warmup or since_freeze > self.freeze_step or not lr > first * 1.01:
-            return
-        from gradcomp.setup import notice  # the set-up imports the stages
-
-        self._warned_warmup = True
-        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        notice(f"Adam's variance froze after {self.freeze_step} steps, but param group {index}'s learning rate "
-               f"kept rising after it ({first:.3g} at the freeze, {lr:.3g} {since_freeze} steps later): the freeze "
-               "fell inside a warm-up longer than the dense start, and the frozen denominators describe the "
-               "warm-up's first gradients (an unclipped GPT froze so and did not train). The recipe sees a "
-               "warm-up through register(..., scheduler=...), not a learning rate set by hand; clipping the "
-               "gradient's norm kept every such run training", rank0)
+        self.gate.record(optimizer)
 
     def after_optimizer_step(self) -> None:
         """Put back the gradients :meth:`before_optimizer_step` cleared (each ``param.grad`` is
@@ -318,7 +321,7 @@ class FrozenVarianceAdam:
     def _recipe(self) -> dict:
         """The settings a checkpoint must have been saved with (the learning rate may change)."""
         return {"freeze_step": self.freeze_step, "exchange": self.exchange, "variance_floor": self.variance_floor,
-                "delay_steps": self.delay_steps, "bounded": self.bounded}
+                "delay_steps": self.delay_steps, "bounded": self.bounded, "latest_freeze": self.gate.latest}
 
     def settings(self) -> dict:
         """Every setting that changes how a replica moves (the cross-rank check hashes them)."""
@@ -329,7 +332,8 @@ class FrozenVarianceAdam:
     def state_dict(self) -> dict:
         """The settings, whether the stage is suspended and where the variance froze, and with
         ``exchange="momentum"`` this rank's first moments (CPU float32)."""
-        state = {**self._recipe(), "suspended": self.suspended, "frozen_at": self.frozen_at}
+        state = {**self._recipe(), "suspended": self.suspended, "frozen_at": self.frozen_at,
+                 "gate": self.gate.state_dict()}
         if self.exchange == "momentum":
             state["moments"] = {k: v.detach().cpu().clone() for k, v in self.moments.items()}
         return state
@@ -348,12 +352,15 @@ class FrozenVarianceAdam:
         suspended, frozen_at = saved.pop("suspended", False), saved.pop("frozen_at", None)
         saved.setdefault("delay_steps", self.delay_steps)  # saved before these settings existed: any run's fits
         saved.setdefault("bounded", self.bounded)
+        saved.setdefault("latest_freeze", None)
+        gate = saved.pop("gate", {})
         if not isinstance(suspended, bool) or not (frozen_at is None or (type(frozen_at) is int and frozen_at >= 1)):
             raise ValueError(f"the checkpoint's FrozenVarianceAdam has suspended={suspended!r}, "
                              f"frozen_at={frozen_at!r}; expected a bool and None or a step >= 1")
         if saved != self._recipe():
             raise ValueError(f"the checkpoint's FrozenVarianceAdam settings {saved} differ from this run's "
                              f"{self._recipe()}")
+        assign_gate = self.gate.prepare_load(gate if isinstance(gate, dict) else {"opened": "?"})
         if not isinstance(moments, dict):
             raise ValueError("the checkpoint's first moments are not a dict of tensors by parameter name")
         checked = {}
@@ -368,6 +375,7 @@ class FrozenVarianceAdam:
 
         def assign() -> None:
             self.moments, self.suspended, self.frozen_at = checked, suspended, frozen_at
+            assign_gate()
             self._pending.clear()
 
         return assign

@@ -1,0 +1,45 @@
+"""The recipe's optimizer stage: which one the user's optimizer gets, with its settings and its description.
+
+:func:`gradcomp.recipe.plan` calls :func:`optimizer_stage` once the dense start is planned; the stages
+themselves are :mod:`gradcomp.optim`'s.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["optimizer_stage"]
+
+
+def optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list, step_hook: bool = True,
+                    sharded: bool = False, latest_freeze: Optional[int] = None,
+                    freeze_cost: Optional[Callable[[int], str]] = None):
+    """``(transform, description)`` for ``optimizer`` (``sharded``: FSDP's, no SGD stage).
+
+    Adam/AdamW: :class:`~gradcomp.optim.FrozenVarianceAdam` frozen at ``dense_steps``, or, with
+    ``latest_freeze`` past it, later while the learning rate still rises (up to that step;
+    ``freeze_cost(delay)`` words what a later freeze costs). SGD with momentum under a sparsifier:
+    :class:`~gradcomp.optim.DelayedMomentumSGD`. Other optimizers: none, with a note in ``notes`` (appended)."""
+    from gradcomp.optim import DelayedMomentumSGD, FrozenVarianceAdam
+
+    if isinstance(optimizer, torch.optim.Adam):
+        exchange = "momentum" if compressor.sparsifies else "gradient"
+        latest = latest_freeze if latest_freeze is not None and latest_freeze > dense_steps else None
+        stage = FrozenVarianceAdam(optimizer, named, freeze_step=dense_steps, exchange=exchange, step_hook=step_hook,
+                                   latest_freeze=latest, freeze_cost=freeze_cost)
+        shortened = f", its beta1 shortened by {stage.delay_steps:g} steps' delay" if stage.delay_steps else ""
+        later = f", later while the learning rate rises, up to step {latest}" if latest is not None else ""
+        return stage, (f"frozen-variance {type(optimizer).__name__} (freeze at step {dense_steps}{later}, each rank's "
+                       f"{'first moment' if exchange == 'momentum' else 'gradient'} sent in update units{shortened})")
+    if isinstance(optimizer, torch.optim.SGD):
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        if momentum and compressor.sparsifies and not sharded:
+            stage = DelayedMomentumSGD(optimizer, named, step_hook=step_hook)
+            return stage, (f"error feedback into SGD (its momentum after the exchange, shortened by "
+                           f"{stage.delay_steps:g} steps' delay on compressed steps)")
+        return None, f"error feedback into SGD{' (its momentum after the exchange)' if momentum else ''}"
+    if optimizer is not None:
+        notes.append(f"{type(optimizer).__name__} has no optimizer-aware stage: plain error feedback with "
+                     f"{dense_steps} dense steps; SGD and Adam/AdamW have recipes")
+    return None, "error feedback"
