@@ -17,8 +17,9 @@ __all__ = ["MIN_STEADY_FREEZE", "EXCHANGES", "optimizer_settings", "decoupled_we
 #: The recipe's choice between 3-bit and the ternary code under Adam reads it (``gradcomp.recipe.code``).
 #: Set on charlm-small (AdamW, 200 steps: 2 dense steps ended +18.2% above dense, 8 -0.3%); at 200 steps it
 #: also picks the better code on the shapes CNN and does no harm on proselm and the clipped GPT, but not on
-#: the GPT without its clip, whose runs fail at 9 and at 17 dense steps when the variance freezes inside the
-#: hand-set warm-up: no count of steps is the rule (experiments/results/research-steady-freeze/).
+#: the GPT without its clip, whose runs failed at 9 and at 17 dense steps when the variance froze inside the
+#: hand-set warm-up: no count of steps is the rule (experiments/results/research-steady-freeze/); the freeze
+#: now waits for such a warm-up to end (gradcomp.optim.freeze_gate), and both runs train.
 MIN_STEADY_FREEZE = 10
 EXCHANGES = ("gradient", "momentum")
 
