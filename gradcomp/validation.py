@@ -108,15 +108,16 @@ def check_layout(compressor, payload: Payload, numel: int) -> torch.dtype:
     )
 
 
-def validate_payload(compressor, payload: Payload, numel: int, rank: Optional[int] = None) -> None:
+def validate_payload(compressor, payload: Payload, numel: int, rank: Optional[int] = None):
     """Raise :class:`PayloadError` unless ``payload`` is a well-formed payload of ``compressor``
     for a ``[numel]`` tensor. Reads the payload, writes nothing.
 
     Dispatches to ``compressor.check_payload(payload, numel)``, which raises ``ValueError``
-    with the reason; the reason is re-raised with ``rank`` attached.
+    with the reason; the reason is re-raised with ``rank`` attached. Returns what the check returned
+    (``None``, or what it decoded on the way: :meth:`~gradcomp.compressors.base.Compressor.check_payload`).
     """
     try:
-        compressor.check_payload(payload, numel)
+        return compressor.check_payload(payload, numel)
     except PayloadError as error:
         if error.rank is None and rank is not None:
             raise PayloadError(error.reason, rank) from error
@@ -125,7 +126,7 @@ def validate_payload(compressor, payload: Payload, numel: int, rank: Optional[in
         raise PayloadError(str(error), rank) from error
 
 
-def validate_gathered(compressor, layout: PayloadLayout, gathered: torch.Tensor, numel: int) -> None:
+def validate_gathered(compressor, layout: PayloadLayout, gathered: torch.Tensor, numel: int) -> list:
     """Check every rank's payload in an allgathered buffer before any of them is decoded.
 
     Args:
@@ -134,6 +135,8 @@ def validate_gathered(compressor, layout: PayloadLayout, gathered: torch.Tensor,
         gathered: uint8 ``[P * layout.nbytes]``; rank ``r``'s payload is bytes
             ``[r * nbytes, (r + 1) * nbytes)``. Not mutated.
         numel: the element count of the tensor the payloads decode into.
+    Returns:
+        per rank, what its check returned (:func:`validate_payload`): for :func:`gradcomp.exchanges.average_gathered`.
     Raises:
         PayloadError: naming the first bad rank (``rank=None`` when the gathered buffer
         itself has the wrong size or dtype) and what was wrong.
@@ -148,6 +151,5 @@ def validate_gathered(compressor, layout: PayloadLayout, gathered: torch.Tensor,
         raise PayloadError(
             f"the gathered buffer has {gathered.numel()} bytes, not a positive multiple of one payload's {nbytes}"
         )
-    for rank in range(gathered.numel() // nbytes):
-        payload = Payload(layout, gathered[rank * nbytes : (rank + 1) * nbytes])
-        validate_payload(compressor, payload, numel, rank)
+    return [validate_payload(compressor, Payload(layout, gathered[rank * nbytes: (rank + 1) * nbytes]), numel, rank)
+            for rank in range(gathered.numel() // nbytes)]

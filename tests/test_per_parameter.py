@@ -324,3 +324,24 @@ def test_compact_parts_of_many_chunks_check_and_decode_as_the_parts_do():
                 verdict = _both_checks_agree(grouped, bad, n)
                 rejected, accepted = rejected + verdict, accepted + (not verdict)
     assert rejected > 50 and accepted > 10
+
+
+@pytest.mark.parametrize("spec", ["topk:0.1", "topk:0.02,entries=compact", "threebit"])
+def test_the_average_adds_what_the_check_decoded_bitwise(spec):
+    """An allgather's check hands each rank's checked top-k entries to the average (no second decode of the
+    same bytes): the average is bitwise the one that decodes every payload; quantizers' checks hand nothing."""
+    from gradcomp.exchanges import average_gathered
+    from gradcomp.validation import validate_gathered
+
+    grouped = PerParameter(gradcomp.from_spec(spec), NUMELS, dense_below=DENSE_BELOW)
+    payloads = [grouped.compress(make(sum(NUMELS), torch.float32, seed=20 + rank)[0]) for rank in range(3)]
+    gathered = torch.cat([payload.buffer for payload in payloads])
+    layout = payloads[0].layout
+    checked = validate_gathered(grouped, layout, gathered, sum(NUMELS))
+    assert [c is not None for c in checked] == [spec.startswith("topk")] * 3
+    decoded = average_gathered(grouped, layout, gathered, torch.full((sum(NUMELS),), float("nan")))
+    added = average_gathered(grouped, layout, gathered, torch.full((sum(NUMELS),), float("nan")), checked=checked)
+    assert torch.equal(added, decoded) and bool(decoded.abs().sum() > 0)
+    if checked[0] is not None:  # what is added is the checked entries, not a second decode of the bytes
+        first_thrice = average_gathered(grouped, layout, gathered, torch.zeros(sum(NUMELS)), checked=[checked[0]] * 3)
+        assert not torch.equal(first_thrice, decoded)

@@ -95,16 +95,25 @@ class Compressor(abc.ABC):
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         """``out += decompress(payload)``; ``out`` is float32 ``[n]`` and is mutated."""
 
-    def check_payload(self, payload: Payload, numel: int) -> None:
+    def check_payload(self, payload: Payload, numel: int):
         """Raise ``ValueError`` with the reason unless ``payload`` is well formed for ``[numel]``.
 
         Reads the payload, writes nothing. The default checks the layout (segments, dtypes,
         sizes) and the buffer size; compressors whose payload carries indices or codes also
         check their contents. Called through :func:`gradcomp.validation.validate_payload`.
+        Returns ``None``, or what the check decoded on the way, which
+        :func:`~gradcomp.exchanges.average_gathered` then hands to :meth:`add_checked` in place of
+        decoding the same bytes again.
         """
         from gradcomp.validation import check_layout
 
         check_layout(self, payload, numel)
+
+    def add_checked(self, payload: Payload, checked, out: torch.Tensor, backend: Optional[str] = None) -> None:
+        """``out += decompress(payload)`` given ``checked``, what :meth:`check_payload` returned for ``payload``
+        (not ``None``); ``out`` float32 ``[n]`` is mutated. Only a compressor whose check returns something
+        has it."""
+        raise NotImplementedError(f"{type(self).__name__}.check_payload returns nothing to decode from")
 
     def sent_indices(self, payload: Payload) -> Optional[torch.Tensor]:
         """The positions a sparsifying payload sends whole (an integer tensor), else ``None``."""

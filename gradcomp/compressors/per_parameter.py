@@ -228,9 +228,16 @@ class PerParameter(Compressor):
             self._on(plan.sparse, tensor.device).encode(values, indices, payload.buffer, residual_out)
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
+        self.add_checked(payload, None, out, backend)
+
+    def add_checked(self, payload: Payload, checked, out: torch.Tensor, backend: Optional[str] = None) -> None:
+        """``out += decompress(payload)``; ``checked``: the top-k parts' entries :meth:`check_payload` returned
+        for this payload (``None``: decoded here)."""
         dtype = check_layout(self, payload, self.numel)
         plan = self._plan(dtype)
-        if plan.batched:
+        if checked is not None:
+            out.index_add_(0, checked[0], checked[1].float())
+        elif plan.batched:
             kernel_parts(self.base.part_ops[1], out.device, backend)(payload.buffer.view(torch.int32),
                                                                      plan.batched, out)
         elif plan.sparse is not None and self._sparse_add(payload, plan, dtype, out):
@@ -252,18 +259,21 @@ class PerParameter(Compressor):
         out.index_add_(0, entries[0], entries[1].float())
         return True
 
-    def check_payload(self, payload: Payload, numel: int) -> None:
+    def check_payload(self, payload: Payload, numel: int):
         """The layout, then every compressed part by the base's own check (dense parts carry
         plain values: a non-finite one only makes the step's average non-finite). A base with batched
         ops checks every part in a few reductions first; only a payload that fails them is checked part
-        by part, for the message."""
+        by part, for the message. Returns a top-k group's checked entries (group positions int64 ``[k]``,
+        values ``[k]``) for :meth:`add_checked`, else ``None``."""
         dtype = check_layout(self, payload, numel)
         plan = self._plan(dtype)
         words = payload.buffer.view(torch.int32)
         if plan.index is not None and parts_valid(words, self._on(plan.index, words.device)):
             return
-        if plan.sparse is not None and self._on(plan.sparse, words.device).entries(payload.buffer, dtype) is not None:
-            return
+        if plan.sparse is not None:
+            entries = self._on(plan.sparse, words.device).entries(payload.buffer, dtype)
+            if entries is not None:
+                return entries  # the decode adds these (add_checked) rather than reading the bytes again
         for number, (part, own) in enumerate(self.parts_of(payload, dtype)):
             if not part.dense:
                 try:

@@ -62,12 +62,12 @@ class Allgather(Exchange):
                 "on the model, its dtypes or the compressor settings"
             )
         try:
-            validate_gathered(handle.compressor, layout, gathered, grad.numel())
+            checked = validate_gathered(handle.compressor, layout, gathered, grad.numel())
         except PayloadError as error:
             raise PayloadError(f"{error.reason} (group {handle.group!r})", error.rank) from error
         out = grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32,
                                                                     device=grad.device)
-        average_gathered(handle.compressor, layout, gathered, out, context.backend)
+        average_gathered(handle.compressor, layout, gathered, out, context.backend, checked)
         if out is not grad:
             grad.copy_(out)
         return grad

@@ -30,7 +30,7 @@ exchange decides the commit for every rank alike in :meth:`Exchange.accept`.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Callable, ClassVar, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, ClassVar, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -199,7 +199,7 @@ def payload_is_gradient(compressor: Compressor, numel: int, dtype: torch.dtype) 
 
 
 def average_gathered(compressor: Compressor, layout: PayloadLayout, gathered: torch.Tensor, out: torch.Tensor,
-                     backend: Optional[str] = None) -> torch.Tensor:
+                     backend: Optional[str] = None, checked: Sequence = ()) -> torch.Tensor:
     """``out = (D(p_0) + D(p_1) + ... + D(p_{P-1})) / P``, summed in rank order in float32, so that
     every rank decoding the same bytes gets bitwise the same average.
 
@@ -207,10 +207,16 @@ def average_gathered(compressor: Compressor, layout: PayloadLayout, gathered: to
         gathered: uint8 ``[P * layout.nbytes]``, rank ``r``'s payload at ``r * layout.nbytes``
             (validated by the caller).
         out: float32 ``[n]``, overwritten and returned.
+        checked: per rank, what the validation's check returned (:func:`~gradcomp.validation.validate_gathered`):
+            where not ``None`` the compressor adds it (``add_checked``) instead of decoding the bytes again.
     """
     world_size = gathered.numel() // layout.nbytes
     out.zero_()
     for rank in range(world_size):
         payload = Payload(layout, gathered[rank * layout.nbytes: (rank + 1) * layout.nbytes])
-        compressor.decompress_add(payload, out, backend)
+        done = checked[rank] if rank < len(checked) else None
+        if done is None:
+            compressor.decompress_add(payload, out, backend)
+        else:
+            compressor.add_checked(payload, done, out, backend)
     return out.div_(world_size)

@@ -280,11 +280,13 @@ class FrozenVarianceAdam:
 
     def commit(self, keys, accept: Union[bool, torch.Tensor] = True) -> None:
         """Make this step's first moments the moments if ``accept`` (may be a 0-d device tensor)."""
+        if isinstance(accept, torch.Tensor) and accept.device.type == "cpu":
+            accept = bool(accept)  # no device to wait for: one test, not a torch.where per parameter
         for key, moment, old in self._pending.pop(tuple(keys), ()):
             if isinstance(accept, torch.Tensor):  # decided on the device: no host sync here
                 self.moments[key] = torch.where(accept, moment, old)
-            elif accept:
-                self.moments[key] = moment
+            else:  # a rejected step keeps where the moment was (Adam's exp_avg on the first compressed step)
+                self.moments[key] = moment if accept else old
 
     # -- the optimizer's step, after the freeze ---------------------------------------------
     @torch.no_grad()
