@@ -23,9 +23,10 @@ def hand_set(step, warmup=WARMUP, peak=1e-2):
     return peak * (step + 1) / warmup if step < warmup else peak * 0.99 ** (step - warmup)
 
 
-def run(stage_kwargs, steps, lrs=hand_set, schedule_of=None):
-    """Train a small AdamW net ``steps`` steps, its rate set by hand before each; returns
-    ``(net, optimizer, stage, what the schedule gave each step, notices)``."""
+def run(stage_kwargs, steps, lrs=hand_set, schedule_of=None, late_rate=False):
+    """Train a small AdamW net ``steps`` steps, its rate set by hand before each (``late_rate``: between
+    ``backward()`` and ``optimizer.step()``); returns ``(net, optimizer, stage, what the schedule gave each
+    step, notices)``."""
     net = small_net()
     optimizer = torch.optim.AdamW(net.parameters(), lr=lrs(0))
     stage = FrozenVarianceAdam(optimizer, net.named_parameters(), **stage_kwargs) if stage_kwargs else None
@@ -34,32 +35,45 @@ def run(stage_kwargs, steps, lrs=hand_set, schedule_of=None):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
-            for group in optimizer.param_groups:
-                group["lr"] = lrs(step)
+            if not late_rate:
+                set_rate(optimizer, lrs(step))
             if schedule is not None:
                 given.append(schedule.compressor_at(step, gradcomp.TopK(0.01)))
             optimizer.zero_grad()
             net(torch.randn(4, 6, generator=generator)).square().sum().backward()
+            if late_rate:
+                set_rate(optimizer, lrs(step))
             optimizer.step()
     notices = [str(w.message) for w in caught if issubclass(w.category, gradcomp.RecipeNotice)]
     return net, optimizer, stage, given, notices
 
 
-def test_the_freeze_waits_for_the_rate_to_stop_rising():
-    net, optimizer, stage, _, notices = run({"freeze_step": 3, "latest_freeze": 12}, WARMUP + 3)
-    assert stage.gate.opened == WARMUP and stage.freeze_delay == WARMUP - 3
+def set_rate(optimizer, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+#: The step the gate opens at: the rate rises up to step WARMUP - 1, step WARMUP's is no higher (read at its
+#: optimizer step), so step WARMUP + 1 is the first whose exchange may be compressed.
+OPENS = WARMUP + 1
+
+
+@pytest.mark.parametrize("late_rate", [False, True])
+def test_the_freeze_waits_for_the_rate_to_stop_rising(late_rate):
+    net, optimizer, stage, _, notices = run({"freeze_step": 3, "latest_freeze": 12}, OPENS + 2, late_rate=late_rate)
+    assert stage.gate.opened == OPENS and stage.freeze_delay == OPENS - 3
     # Until then the user's AdamW ran untouched: bitwise a plain AdamW on the same rates.
-    waited, _, _, _, _ = run({"freeze_step": 3, "latest_freeze": 12}, WARMUP)
-    plain, plain_optimizer, _, _, _ = run(None, WARMUP)
+    waited, _, _, _, _ = run({"freeze_step": 3, "latest_freeze": 12}, OPENS, late_rate=late_rate)
+    plain, plain_optimizer, _, _, _ = run(None, OPENS)
     assert all(torch.equal(a, b) for a, b in zip(waited.parameters(), plain.parameters()))
-    # The denominators are the variance of step WARMUP, frozen there.
+    # The denominators are the variance of step OPENS, frozen there.
     torch.testing.assert_close([optimizer.state[p]["frozen_denom"] for p in net.parameters()],
-                               frozen_denominators(plain_optimizer, plain, WARMUP))
-    assert len(notices) == 1 and f"froze at step {WARMUP}" in notices[0] and "5 more dense steps" in notices[0]
+                               frozen_denominators(plain_optimizer, plain, OPENS))
+    assert len(notices) == 1 and f"froze at step {OPENS}" in notices[0] and "6 more dense steps" in notices[0]
 
 
 def test_a_rate_still_rising_at_the_latest_step_freezes_there_and_says_so():
-    _, _, stage, _, notices = run({"freeze_step": 3, "latest_freeze": 5}, WARMUP + 2)
+    _, _, stage, _, notices = run({"freeze_step": 3, "latest_freeze": 5}, OPENS)
     assert stage.gate.opened == 5
     assert any("still rising there" in n for n in notices), notices
 
@@ -77,7 +91,7 @@ def test_the_planned_schedule_stays_dense_while_the_freeze_waits_then_runs_late(
     _, _, stage, given, _ = run({"freeze_step": 3, "latest_freeze": 12}, 14,
                                 schedule_of=lambda stage: PlannedSchedule(inner, 14, announce=False, gate=stage))
     densities = [None if c is None else c.density for c in given]
-    assert densities == [None] * WARMUP + [0.25, 0.25, 0.125, 0.125, 0.01, 0.01]
+    assert densities == [None] * OPENS + [0.25, 0.25, 0.125, 0.125, 0.01]
     # Without a gate the same schedule compresses from step 3.
     assert PlannedSchedule(inner, 14, announce=False).compressor_at(3, gradcomp.TopK(0.01)).density == 0.25
 
@@ -85,12 +99,14 @@ def test_the_planned_schedule_stays_dense_while_the_freeze_waits_then_runs_late(
 def test_the_gate_is_checkpointed_and_checked():
     _, _, waiting, _, _ = run({"freeze_step": 3, "latest_freeze": 12}, 5)
     saved = waiting.state_dict()
-    assert saved["gate"] == {"opened": None, "lr_seen": [hand_set(4)]} and saved["latest_freeze"] == 12
+    assert saved["gate"] == {"opened": None, "lr_seen": [hand_set(4)], "rising": True}
+    assert saved["latest_freeze"] == 12
     net = small_net()
     other = FrozenVarianceAdam(torch.optim.AdamW(net.parameters()), net.named_parameters(), 3, latest_freeze=12)
     other.load_state_dict(saved)
-    assert other.gate.opened is None and other.gate.lr_seen == (hand_set(4),)
-    for bad in ({"opened": 2}, {"opened": 4.0}, {"opened": None, "lr_seen": ["fast"]}):
+    assert other.gate.opened is None and other.gate.lr_seen == (hand_set(4),) and other.gate.rising
+    for bad in ({"opened": 2}, {"opened": 4.0}, {"opened": None, "lr_seen": ["fast"]},
+                {"opened": None, "rising": "yes"}):
         with pytest.raises(ValueError, match="checkpoint"):
             other.load_state_dict({**saved, "gate": bad})
     assert other.gate.lr_seen == (hand_set(4),)

@@ -173,7 +173,7 @@ def test_state_dict_holds_settings_and_moments_only():
     gradient = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10)
     assert gradient.state_dict() == {"freeze_step": 10, "exchange": "gradient", "variance_floor": 0.1,
                                      "delay_steps": 0.0, "bounded": False, "suspended": False, "frozen_at": None,
-                                     "latest_freeze": None, "gate": {"opened": 10, "lr_seen": None}}
+                                     "latest_freeze": None, "gate": {"opened": 10, "lr_seen": None, "rising": False}}
     momentum = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10, exchange="momentum")
     assert momentum.state_dict()["delay_steps"] == 5.0
     older = {k: v for k, v in momentum.state_dict().items()

@@ -7,12 +7,14 @@ GPT under AdamW, 2-bit, froze so at 9 and at 17 steps of its 20-step warm-up and
 held-out loss over dense at 200 steps, NaN at 1000); held past the warm-up (21 dense steps) the same runs
 ended +1.6 % and -2.1 % (``experiments/results/research-steady-freeze/``).
 
-A :class:`FreezeGate` with a ``latest`` step reads each param group's learning rate at every step (the
-loop's own or a scheduler's; :meth:`~FreezeGate.record` after each optimizer step) and opens, from
-``freeze_step`` on, at the first step whose rates are no higher than the previous step's, at ``latest`` at
-the latest. Until it opens the step stays dense (the recipe's schedule asks, and shifts what follows by
-the delay). Every rank reads the same rates, so every rank opens at the same step. Without ``latest`` it
-opens at ``freeze_step``, as a planned freeze.
+A :class:`FreezeGate` with a ``latest`` step reads each param group's learning rate at every optimizer step
+(the loop's own or a scheduler's; :meth:`~FreezeGate.record`, from the step pre-hook) and opens, from
+``freeze_step`` on, at the first step after one whose rates were no higher than the step before's, at
+``latest`` at the latest. The rates are read at the optimizer's step, where they are this step's whether the
+loop set them before ``backward()`` or just before ``optimizer.step()``; the exchange of a step comes before
+its optimizer step, so a step's decision rests on the steps before it. Until the gate opens the step stays
+dense (the recipe's schedule asks, and shifts what follows by the delay). Every rank reads the same rates, so
+every rank opens at the same step. Without ``latest`` it opens at ``freeze_step``, as a planned freeze.
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ class FreezeGate:
         self.opened: Optional[int] = freeze_step if latest is None or latest == freeze_step else None
         #: Each param group's learning rate at the last optimizer step (``None``: none seen yet).
         self.lr_seen: Optional[Tuple[float, ...]] = None
+        #: Whether a rate rose at the last optimizer step from the one before.
+        self.rising = False
         self._lr_at_freeze: dict = {}
         self._warned_warmup = False
 
@@ -60,29 +64,29 @@ class FreezeGate:
         """Steps the freeze came after ``freeze_step`` (0 while open)."""
         return 0 if self.opened is None else self.opened - self.freeze_step
 
-    def open_at(self, step: int, optimizer) -> Optional[int]:
+    def open_at(self, step: int) -> Optional[int]:
         """The step the variance freezes at, decided at ``step`` if the gate is still open there
-        (``None``: not at ``step``: its learning rate rose from the previous step's)."""
-        if self.opened is None and step >= self.freeze_step:
-            rates = _rates(optimizer)
-            rising = self.lr_seen is not None and any(now > before * (1 + RISE)
-                                                      for now, before in zip(rates, self.lr_seen))
-            if not rising or step >= self.latest:
-                self.opened = step
-                if self.delay:
-                    self._say_delayed(rising)
+        (``None``: not at ``step``: the learning rate rose at the last optimizer step)."""
+        if self.opened is None and step >= self.freeze_step and (not self.rising or step >= self.latest):
+            self.opened = step
+            if self.delay:
+                self._say_delayed(self.rising)
         return self.opened
 
     def record(self, optimizer) -> None:
-        """Note this step's learning rates (called once per optimizer step, after the gate was asked)."""
-        self.lr_seen = _rates(optimizer)
+        """Note this optimizer step's learning rates, and whether one rose from the last step's (called once
+        per optimizer step, after this step's decision)."""
+        rates = _rates(optimizer)
+        self.rising = self.lr_seen is not None and any(now > before * (1 + RISE)
+                                                       for now, before in zip(rates, self.lr_seen))
+        self.lr_seen = rates
 
     def _say_delayed(self, rising: bool) -> None:
         from gradcomp.setup import notice  # the set-up imports the stages
 
         cost = f"; {self.cost(self.delay)}" if self.cost is not None else ""
         cause = ("the learning rate still rising there (the latest step this run's plan allows)" if rising
-                 else "the first step whose learning rate did not rise")
+                 else "the step after the first whose learning rate did not rise")
         notice(f"Adam's variance froze at step {self.opened}, {cause}, not at the planned step "
                f"{self.freeze_step}: {self.delay} more dense steps for a warm-up the plan could not see "
                f"(a learning rate set by hand; register(..., scheduler=...) plans it ahead){cost}", _rank0())
@@ -106,12 +110,13 @@ class FreezeGate:
                "norm kept every such run training", _rank0())
 
     def state_dict(self) -> dict:
-        return {"opened": self.opened, "lr_seen": None if self.lr_seen is None else list(self.lr_seen)}
+        return {"opened": self.opened, "lr_seen": None if self.lr_seen is None else list(self.lr_seen),
+                "rising": self.rising}
 
     def prepare_load(self, state: dict) -> Callable[[], None]:
         """Check a :meth:`state_dict` (``{}``: saved before the gate; a planned freeze) and return what assigns
         it; raises ``ValueError``, changing nothing."""
-        opened, seen = state.get("opened", self.freeze_step), state.get("lr_seen")
+        opened, seen, rising = state.get("opened", self.freeze_step), state.get("lr_seen"), state.get("rising", False)
         if self.latest is None:
             opened = self.freeze_step  # a planned freeze (the settings, compared apart, say the same)
         elif "opened" not in state:
@@ -122,8 +127,11 @@ class FreezeGate:
         if seen is not None and (not isinstance(seen, (list, tuple))
                                  or not all(type(r) in (int, float) for r in seen)):
             raise ValueError(f"the checkpoint's learning rates {seen!r} are not a list of numbers")
+        if not isinstance(rising, bool):
+            raise ValueError(f"the checkpoint's rising flag {rising!r} is not a bool")
 
         def assign() -> None:
             self.opened, self.lr_seen = opened, None if seen is None else tuple(float(r) for r in seen)
+            self.rising = rising
 
         return assign

@@ -6,7 +6,7 @@ The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrang
 1. **Dense start** (the optimizer's first ``freeze_step`` steps): the user's own Adam on densely
    averaged gradients, untouched; its second moment ``exp_avg_sq`` is estimated there.
 2. **Freeze**: at the first compressed step (``freeze_step``; with ``latest_freeze``, the first step after
-   it whose learning rate stopped rising, :mod:`gradcomp.optim.freeze_gate`) each parameter's denominator
+   the first whose learning rate stopped rising, :mod:`gradcomp.optim.freeze_gate`) each parameter's denominator
    ``d = max(sqrt(v_hat), floor * mean sqrt(v_hat)) + eps`` is computed once from ``exp_avg_sq`` and
    kept in the optimizer's state (``"frozen_denom"``); the floor keeps never-updated coordinates from
    huge steps. A live variance would see error feedback's bursts (a coordinate sent once in ``T``
@@ -139,7 +139,7 @@ class FrozenVarianceAdam:
         if self.suspended:
             return False
         done = self._steps_done(param)
-        opened = self.gate.open_at(done, self.optimizer)
+        opened = self.gate.open_at(done)
         return opened is not None and done >= opened
 
     def compresses_at(self, step: int) -> bool:
@@ -147,7 +147,7 @@ class FrozenVarianceAdam:
         still open (:class:`~gradcomp.optim.freeze_gate.FreezeGate`): the recipe's schedule asks it at each
         step from its dense start on, keeps the step dense while it is not, and shifts what follows by
         :attr:`FreezeGate.delay <gradcomp.optim.freeze_gate.FreezeGate.delay>`."""
-        opened = self.gate.open_at(step, self.optimizer)
+        opened = self.gate.open_at(step)
         return opened is not None and step >= opened
 
     @property
