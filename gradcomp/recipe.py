@@ -37,8 +37,8 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   long for it is cut short, with a notice (measured harmless where it happens in the study: charlm-small,
   AdamW, 200 steps, 8 dense steps of a 20-step warm-up, -0.3%). A loop that sets the rate by hand (no
   scheduler) hides its warm-up from the plan, and under Adam a variance frozen inside it kept an unclipped
-  GPT from training: there the stage reads the rate at every step and holds the freeze, and with it the
-  dense start, until the rate stops rising, up to :data:`ADAM_DENSE_FRACTION` of the run, the schedule
+  GPT from training: there the stage reads the rate at every optimizer step and holds the freeze, and with it
+  the dense start, until the rate has stopped rising, up to :data:`ADAM_DENSE_FRACTION` of the run, the schedule
   shifted by as many steps and what it costs in bytes said (:mod:`gradcomp.optim.freeze_gate`). Bytes
   are counted from each compressed parameter's own payload layout (:mod:`gradcomp.recipe_bytes`).
 * **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
