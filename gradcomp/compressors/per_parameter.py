@@ -235,12 +235,10 @@ class PerParameter(Compressor):
         for this payload (``None``: decoded here)."""
         dtype = check_layout(self, payload, self.numel)
         plan = self._plan(dtype)
-        if checked is not None:
-            out.index_add_(0, checked[0], checked[1].float())
-        elif plan.batched:
+        if plan.batched:
             kernel_parts(self.base.part_ops[1], out.device, backend)(payload.buffer.view(torch.int32),
                                                                      plan.batched, out)
-        elif plan.sparse is not None and self._sparse_add(payload, plan, dtype, out):
+        elif plan.sparse is not None and self._sparse_add(payload, plan, dtype, out, checked):
             pass
         elif plan.batched is None:
             for part, own in self.parts_of(payload, dtype):
@@ -250,10 +248,13 @@ class PerParameter(Compressor):
             elements, slots = self._on(plan.dense, out.device)
             out.index_add_(0, elements, payload.buffer.view(dtype).index_select(0, slots).float())
 
-    def _sparse_add(self, payload: Payload, plan: _Plan, dtype: torch.dtype, out: torch.Tensor) -> bool:
-        """``out += `` every top-k part's entries in one ``index_add_`` (as the kernels, ``out[i] + value``),
-        if every part's indices are valid; ``False`` (nothing written) if not."""
-        entries = self._on(plan.sparse, out.device).entries(payload.buffer, dtype)
+    def _sparse_add(self, payload: Payload, plan: _Plan, dtype: torch.dtype, out: torch.Tensor,
+                    entries=None) -> bool:
+        """``out += `` every top-k part's entries (``entries`` if the check already read them) in one
+        ``index_add_`` (as the kernels, ``out[i] + value``), if every part's indices are valid; ``False``
+        (nothing written) if not."""
+        if entries is None:
+            entries = self._on(plan.sparse, out.device).entries(payload.buffer, dtype)
         if entries is None:
             return False
         out.index_add_(0, entries[0], entries[1].float())

@@ -136,11 +136,7 @@ class FrozenVarianceAdam:
 
     def frozen(self, param) -> bool:
         """Whether ``param``'s variance is frozen (its exchange is then compressed)."""
-        if self.suspended:
-            return False
-        done = self._steps_done(param)
-        opened = self.gate.open_at(done)
-        return opened is not None and done >= opened
+        return not self.suspended and self.compresses_at(self._steps_done(param))
 
     def compresses_at(self, step: int) -> bool:
         """Whether the variance is frozen by optimizer step ``step``, deciding the freeze there if it is
@@ -362,7 +358,9 @@ class FrozenVarianceAdam:
         if saved != self._recipe():
             raise ValueError(f"the checkpoint's FrozenVarianceAdam settings {saved} differ from this run's "
                              f"{self._recipe()}")
-        assign_gate = self.gate.prepare_load(gate if isinstance(gate, dict) else {"opened": "?"})
+        if not isinstance(gate, dict):
+            raise ValueError(f"the checkpoint's freeze gate is not a dict, got {type(gate).__name__}")
+        assign_gate = self.gate.prepare_load(gate)
         if not isinstance(moments, dict):
             raise ValueError("the checkpoint's first moments are not a dict of tensors by parameter name")
         checked = {}
