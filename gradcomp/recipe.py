@@ -38,8 +38,8 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   AdamW, 200 steps, 8 dense steps of a 20-step warm-up, -0.3%). A loop that sets the rate by hand (no
   scheduler) hides its warm-up from the plan, and under Adam a variance frozen inside it kept an unclipped
   GPT from training: there the stage reads the rate at every optimizer step and holds the freeze, and with it
-  the dense start, until the rate has stopped rising, up to :data:`ADAM_DENSE_FRACTION` of the run, the schedule
-  shifted by as many steps and what it costs in bytes said (:mod:`gradcomp.optim.freeze_gate`). Bytes
+  the dense start, until the rate has stopped rising, up to :data:`ADAM_DENSE_FRACTION` of the run
+  (:mod:`gradcomp.optim.freeze_gate`); the plan after it keeps the byte budget (:func:`_replan`). Bytes
   are counted from each compressed parameter's own payload layout (:mod:`gradcomp.recipe_bytes`).
 * **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
   affords down to the density asked, each stage as long as the byte budget (``min_compression`` x fewer
@@ -86,7 +86,7 @@ import torch
 from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
 from gradcomp.recipe_bytes import Traffic, bytes_per_element
 from gradcomp.recipe_stage import optimizer_stage
-from gradcomp.schedule import DenseWarmup, PlannedSchedule, SparsityRamp
+from gradcomp.schedule import CodeSwitch, DenseWarmup, PlannedSchedule, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
 __all__ = ["Plan", "plan", "code", "DENSE_FRACTION", "ADAM_DENSE_FRACTION", "RAMP_FRACTION", "MIN_COMPRESSION",
@@ -221,11 +221,6 @@ def _schedule(compressor, total_steps: int, dense_steps: int, budget: float, tra
     return schedule, total_steps / sent
 
 
-def _dense_fraction(optimizer) -> float:
-    """The share of the run the dense start asks for under ``optimizer`` (:data:`ADAM_DENSE_FRACTION`)."""
-    return ADAM_DENSE_FRACTION if isinstance(optimizer, torch.optim.Adam) else DENSE_FRACTION
-
-
 def _dense_start(compressor, total_steps: int, scheduler, budget: float, traffic: Traffic,
                  notes: list, fraction: float) -> int:
     """The dense start: the LR warm-up's end and at least ``fraction`` of the run, as far as
@@ -284,19 +279,19 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
                     "no error feedback (a cast)", notes=("casts need no recipe",))
     budget = min_compression or MIN_COMPRESSION[family]
     notes = []
-    dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, traffic, notes,
-                               _dense_fraction(optimizer))
+    fraction = ADAM_DENSE_FRACTION if isinstance(optimizer, torch.optim.Adam) else DENSE_FRACTION
+    dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, traffic, notes, fraction)
     schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget, traffic)
     if expected * 1.001 < budget:
         notes.append(f"the dense start ({dense_steps} steps) and the ramp of this {total_steps}-step run leave "
                      f"{expected:.1f}x fewer bytes, under the {budget:.0f}x asked")
     latest = (max(dense_steps, math.ceil(ADAM_DENSE_FRACTION * total_steps)) if scheduler is None else dense_steps)
+    replan = _replan(compressor, traffic, total_steps, dense_steps, budget)
     transform, stage_name = optimizer_stage(optimizer, compressor, list(named_parameters), dense_steps, notes,
-                                            step_hook, sharded, latest, _delay_cost(compressor, traffic, total_steps,
-                                                                                    expected, budget))
+                                            step_hook, sharded, latest, _delay_cost(replan, total_steps, budget))
+    gate = transform if hasattr(transform, "compresses_at") else None
     result = Plan(compressor, total_steps, dense_steps,
-                  PlannedSchedule(schedule, total_steps, announce,
-                                  transform if hasattr(transform, "compresses_at") else None),
+                  PlannedSchedule(schedule, total_steps, announce, gate, lambda delay: replan(delay)[0]),
                   transform, stage_name, expected, tuple(notes), granularity=_granularity(optimizer, compressor),
                   residual_decay=_residual_decay(optimizer, compressor))
     notice(f"recipe: {result.summary}", announce)
@@ -305,15 +300,33 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     return result
 
 
-def _delay_cost(compressor, traffic: Traffic, total_steps: int, expected: float, budget: float):
-    """``cost(delay) -> str``: the run's compression once its dense start is ``delay`` steps longer (the plan
-    after it shifted by as many steps, the last steps of the final setting dropped), for the freeze's notice."""
-    final = bytes_per_element(compressor, None, traffic)
+def _replan(compressor, traffic: Traffic, total_steps: int, dense_steps: int, budget: float):
+    """``replan(delay) -> (schedule, expected compression)``: the plan once the dense start (Adam's freeze) came
+    ``delay`` steps late, the byte budget kept as far as the run affords: top-k's ramp planned from the later
+    start, 3-bit's last steps in the ternary code, as many as pay back the extra dense steps (about 30 each)."""
+    def replan(delay: int):
+        start = min(total_steps, dense_steps + delay)
+        schedule, expected = _schedule(compressor, total_steps, start, 1 / budget, traffic)
+        if isinstance(compressor, ThreeBit) and expected * 1.001 < budget:
+            finer, ternary = (bytes_per_element(c, None, traffic) for c in (compressor, TwoBit(TWOBIT)))
+            excess = total_steps / expected - total_steps / budget
+            switched = min(total_steps - start, math.ceil(excess / (finer - ternary) - 1e-9))
+            schedule = CodeSwitch(start, total_steps - switched, TwoBit(TWOBIT))
+            expected = total_steps / (total_steps / expected - switched * (finer - ternary))
+        return schedule, expected
+
+    return replan
+
+
+def _delay_cost(replan, total_steps: int, budget: float):
+    """``cost(delay) -> str``: the run's compression after ``replan(delay)``, for the freeze's notice."""
 
     def cost(delay: int) -> str:
-        ratio = total_steps / (total_steps / expected + delay * (1 - final))
+        schedule, ratio = replan(delay)
+        how = (f" (its last {total_steps - schedule.switch_step} steps in {schedule.later!r})"
+               if isinstance(schedule, CodeSwitch) else "")
         short = f", under the {budget:g}x asked" if ratio * 1.001 < budget else ""
-        return f"about {ratio:.1f}x fewer bytes than dense over the run{short}"
+        return f"about {ratio:.1f}x fewer bytes than dense over the run{how}{short}"
 
     return cost
 
@@ -376,9 +389,7 @@ def _compact(compressor: TopK, announce: bool) -> TopK:
 
 def _granularity(optimizer, compressor) -> Optional[str]:
     """``"bucket"`` for top-k under SGD (module docstring), else ``None``."""
-    if isinstance(compressor, TopK) and isinstance(optimizer, torch.optim.SGD):
-        return "bucket"
-    return None
+    return "bucket" if isinstance(compressor, TopK) and isinstance(optimizer, torch.optim.SGD) else None
 
 
 def _residual_decay(optimizer, compressor) -> float:

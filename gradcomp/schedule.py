@@ -33,7 +33,8 @@ Defaults, from measurements (charlm-small, 2 ranks, seed 0: a single-process sim
   of 2000 keep the run at 1/9 of dense bytes (the goal is 1/8); 40 dense steps already fixed
   most of the early-residual damage at 200 steps (3.06 -> 2.60 held-out loss).
 
-:class:`PlannedSchedule` wraps the one-call recipe's schedule and says when a run outgrows its plan.
+:class:`PlannedSchedule` wraps the one-call recipe's schedule and says when a run outgrows its plan;
+:class:`CodeSwitch` is how the recipe keeps its byte budget after a dense start held past its plan.
 
 Example::
 
@@ -51,7 +52,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from gradcomp.compressors.base import Compressor
 from gradcomp.compressors.topk import TopK
 
-__all__ = ["DenseWarmup", "SparsityRamp", "PlannedSchedule", "recommended", "DGC_DENSITIES"]
+__all__ = ["DenseWarmup", "SparsityRamp", "CodeSwitch", "PlannedSchedule", "recommended", "DGC_DENSITIES"]
 
 #: DGC's ramp (Lin et al., 2018): sparsity 75%, 93.75%, 98.4375%, 99.6%: density divided by 4.
 DGC_DENSITIES: Tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625)
@@ -198,6 +199,38 @@ class SparsityRamp(DenseWarmup):
         )
 
 
+class CodeSwitch(DenseWarmup):
+    """``dense_steps`` dense steps, ``base`` until ``switch_step``, then ``later`` to the end.
+
+    The recipe's 3-bit plan after Adam's freeze waited past its planned step: the extra dense steps are
+    paid back by the cheaper ``later`` code (the ternary one) over the run's last steps, where the
+    learning rate, and with it what a coarser code leaves in the residual, is at its smallest.
+
+    Args:
+        dense_steps: steps ``0 .. dense_steps - 1`` are dense.
+        switch_step: the first step of ``later`` (>= ``dense_steps``).
+        later: the compressor of every step from ``switch_step`` on.
+    """
+
+    kind = "code_switch"
+
+    def __init__(self, dense_steps: int, switch_step: int, later: Compressor):
+        super().__init__(dense_steps)
+        self.switch_step = _check_count("switch_step", switch_step, minimum=self.dense_steps)
+        self.later = later
+
+    def compressor_at(self, step: int, base: Compressor) -> Optional[Compressor]:
+        if _check_step(step) < self.dense_steps:
+            return None
+        return base if step < self.switch_step else self.later
+
+    def settings(self) -> Dict[str, object]:
+        return {**super().settings(), "switch_step": self.switch_step, "later": self.later.spec}
+
+    def __repr__(self) -> str:
+        return f"CodeSwitch(dense_steps={self.dense_steps}, switch_step={self.switch_step}, later={self.later!r})"
+
+
 def recommended(compressor: Compressor) -> DenseWarmup:
     """The measured default schedule for ``compressor`` (see the module docstring): the DGC
     ramp for top-k, 100 dense steps for 2-bit, 2 dense steps for anything else."""
@@ -218,12 +251,15 @@ class PlannedSchedule:
 
     ``gate``: an optimizer stage whose ``compresses_at(step)`` may hold the dense start past ``inner``'s
     (Adam's freeze waiting for the learning rate to stop rising, :mod:`gradcomp.optim.freeze_gate`): such
-    steps are dense, and the steps after them run ``inner``'s plan ``gate.freeze_delay`` steps late (the
-    delay is kept in the stage's checkpoint).
+    steps are dense, and the steps after them follow ``replan(gate.freeze_delay)``, the plan for the later
+    dense start (the recipe's keeps the byte budget), or without ``replan`` ``inner``'s plan as many steps
+    late. The delay is kept in the stage's checkpoint, so a resumed run re-plans alike.
     """
 
-    def __init__(self, inner, total_steps: int, announce: bool = True, gate=None):
+    def __init__(self, inner, total_steps: int, announce: bool = True, gate=None, replan=None):
         self.inner, self.total_steps, self.announce, self.gate = inner, total_steps, announce, gate
+        self.replan = replan
+        self._replanned: Tuple[int, object] = (0, inner)
         self.dense_steps = getattr(inner, "dense_steps", None)
         self.furthest = -1
         self._said_longer = False
@@ -242,7 +278,13 @@ class PlannedSchedule:
         if self.gate is not None and self.dense_steps is not None and step >= self.dense_steps:
             if not self.gate.compresses_at(step):
                 return None
-            step -= self.gate.freeze_delay
+            delay = self.gate.freeze_delay
+            if self.replan is None:
+                step -= delay
+            elif delay:
+                if self._replanned[0] != delay:  # decided once; a resumed run decides it again alike
+                    self._replanned = (delay, self.replan(delay))
+                return self._replanned[1].compressor_at(step, base)
         return self.inner.compressor_at(step, base)
 
     def _say_if_short(self) -> None:

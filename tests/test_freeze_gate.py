@@ -132,7 +132,9 @@ def test_the_recipe_gates_the_freeze_only_where_no_scheduler_shows_the_warm_up()
         assert by_hand.transform.gate.latest == math.ceil(recipe.ADAM_DENSE_FRACTION * 1000) > by_hand.dense_steps
         assert "later while the learning rate rises, up to step 100" in by_hand.summary
         assert by_hand.schedule.gate is by_hand.transform
-        assert "under the 8x asked" in by_hand.transform.gate.cost(20) and "8.0x" in by_hand.transform.gate.cost(0)
+        cost = by_hand.transform.gate.cost
+        assert "8.0x" in cost(0) and "8.0x" in cost(20) and "in TwoBit" in cost(20) and "under" not in cost(20)
+        assert "under the 8x asked" in cost(60)  # more than the ternary code's saving over the rest can pay back
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
         planned = recipe.plan("twobit", optimizer, total_steps=1000, scheduler=scheduler, named_parameters=named,
                               announce=False)
@@ -140,3 +142,53 @@ def test_the_recipe_gates_the_freeze_only_where_no_scheduler_shows_the_warm_up()
         sgd = recipe.plan("twobit", torch.optim.SGD(model.parameters(), lr=0.1), total_steps=1000,
                           named_parameters=named, announce=False)
         assert sgd.schedule.gate is None
+
+
+def simulate_late_freeze(steps, warmup, replan=True):
+    """Two simulated ranks (the engine's own exchange) of a 165K-parameter AdamW net under the recipe's 2-bit,
+    its rate warmed up by hand over ``warmup`` steps; returns ``(rank 0's engine, the schedule each step used)``.
+    ``replan=False``: the plan after the late freeze only shifted, as before it kept the budget."""
+    from experiments.simulate import Simulation
+    from gradcomp.engine import Engine
+    from gradcomp.setup import prepare
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 128))
+
+    def attach(rank, replica, optimizer, transport):
+        setup = prepare("twobit", replica.named_parameters(), optimizer=optimizer, total_steps=steps, announce=False)
+        if not replan:
+            setup.settings["schedule"].replan = None
+        return Engine(setup.compressor, transport, **setup.settings)
+
+    sim = Simulation(model, lambda m: torch.optim.AdamW(m.parameters()), attach, world_size=2)
+    generator, used = torch.Generator().manual_seed(2), []
+    for step in range(steps):
+        for optimizer in sim.optimizers:
+            set_rate(optimizer, hand_set(step, warmup, peak=1e-3))
+        sim.zero_grad()
+        used.append(sim.engines[0].compressor_now())  # this step's, asked where its exchange asks (after the last step)
+        batches = [(torch.randn(8, 512, generator=generator),) for _ in range(2)]
+        sim.backward(batches, lambda replica, x: replica(x).square().mean())
+        sim.step()
+    return sim.engines[0], used
+
+
+def test_a_late_freeze_keeps_the_byte_budget_as_the_engine_counts_it():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, used = simulate_late_freeze(600, 12)
+    stage, totals = engine.transform, engine.telemetry.stats()["total"]
+    assert isinstance(engine.compressor, gradcomp.ThreeBit) and stage.gate.opened == 13 and stage.freeze_delay == 3
+    # The three extra dense steps are paid back by the ternary code over the run's last steps.
+    kinds = [type(c).__name__ if c is not None else None for c in used]
+    switch = kinds.index("TwoBit")
+    assert kinds == [None] * 13 + ["ThreeBit"] * (switch - 13) + ["TwoBit"] * (600 - switch) and 500 < switch < 600
+    assert totals["dense_bytes"] / totals["bytes_sent"] >= 8.0
+    notices = [str(w.message) for w in caught if issubclass(w.category, gradcomp.RecipeNotice)]
+    assert any(f"its last {600 - switch} steps in TwoBit" in n and "under" not in n for n in notices), notices
+    # Only shifted, the same run sends more than the budget: the replan is what keeps it.
+    shifted, used = simulate_late_freeze(600, 12, replan=False)
+    shifted_totals = shifted.telemetry.stats()["total"]
+    assert all(type(c).__name__ == "ThreeBit" for c in used[13:])
+    assert shifted_totals["dense_bytes"] / shifted_totals["bytes_sent"] < 7.99

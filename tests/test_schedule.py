@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from gradcomp import FP16, TopK, TwoBit
-from gradcomp.schedule import DGC_DENSITIES, DenseWarmup, SparsityRamp, recommended
+from gradcomp import FP16, ThreeBit, TopK, TwoBit
+from gradcomp.schedule import DGC_DENSITIES, CodeSwitch, DenseWarmup, SparsityRamp, recommended
 
 
 def density(compressor):
@@ -97,3 +97,15 @@ def test_bad_settings_are_rejected(kwargs):
 def test_bad_step_is_rejected():
     with pytest.raises(ValueError, match="step"):
         DenseWarmup(2).compressor_at(-1, TopK(0.01))
+
+
+def test_code_switch_runs_the_base_then_the_later_code():
+    base, later = ThreeBit(), TwoBit("chunk")
+    schedule = CodeSwitch(2, 4, later)
+    assert [schedule.compressor_at(s, base) for s in range(6)] == [None, None, base, base, later, later]
+    assert schedule.settings() == {"kind": "code_switch", "dense_steps": 2, "switch_step": 4, "later": later.spec}
+    CodeSwitch(2, 4, TwoBit("chunk")).load_state_dict(schedule.state_dict())
+    with pytest.raises(ValueError, match="switch_step"):
+        CodeSwitch(2, 5, later).load_state_dict(schedule.state_dict())
+    with pytest.raises(ValueError, match="switch_step"):
+        CodeSwitch(3, 2, later)  # a switch inside the dense start
