@@ -144,40 +144,55 @@ def test_the_recipe_gates_the_freeze_only_where_no_scheduler_shows_the_warm_up()
         assert sgd.schedule.gate is None
 
 
-def simulate_late_freeze(steps, warmup, replan=True):
-    """Two simulated ranks (the engine's own exchange) of a 165K-parameter AdamW net under the recipe's 2-bit,
-    its rate warmed up by hand over ``warmup`` steps; returns ``(rank 0's engine, the schedule each step used)``.
-    ``replan=False``: the plan after the late freeze only shifted, as before it kept the budget."""
+#: The late-freeze run: steps, the hand-set warm-up, its peak rate (a 165K-parameter net under the recipe's 2-bit).
+LATE_STEPS, LATE_WARMUP, LATE_PEAK = 600, 12, 1e-3
+
+
+def late_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 128))
+
+
+def late_batches(generator, world_size=2):
+    """One step's input of every rank ``[8, 512]``, drawn in rank order from ``generator`` (every rank draws all)."""
+    return [torch.randn(8, 512, generator=generator) for _ in range(world_size)]
+
+
+def late_loss(replica, x):
+    return replica(x).square().mean()
+
+
+def simulate_late_freeze(replan=True):
+    """The late-freeze run on two simulated ranks (the engine's own exchange); returns ``(rank 0's engine, the
+    schedule each step used, rank 0's parameters)``. ``replan=False``: the plan after the late freeze only
+    shifted, as before it kept the budget. ``recipe_horovod_worker`` runs the same through Horovod."""
     from experiments.simulate import Simulation
     from gradcomp.engine import Engine
     from gradcomp.setup import prepare
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 128))
-
     def attach(rank, replica, optimizer, transport):
-        setup = prepare("twobit", replica.named_parameters(), optimizer=optimizer, total_steps=steps, announce=False)
+        setup = prepare("twobit", replica.named_parameters(), optimizer=optimizer, total_steps=LATE_STEPS,
+                        announce=False)
         if not replan:
             setup.settings["schedule"].replan = None
         return Engine(setup.compressor, transport, **setup.settings)
 
-    sim = Simulation(model, lambda m: torch.optim.AdamW(m.parameters()), attach, world_size=2)
+    sim = Simulation(late_model(), lambda m: torch.optim.AdamW(m.parameters()), attach, world_size=2)
     generator, used = torch.Generator().manual_seed(2), []
-    for step in range(steps):
+    for step in range(LATE_STEPS):
         for optimizer in sim.optimizers:
-            set_rate(optimizer, hand_set(step, warmup, peak=1e-3))
+            set_rate(optimizer, hand_set(step, LATE_WARMUP, LATE_PEAK))
         sim.zero_grad()
         used.append(sim.engines[0].compressor_now())  # this step's, asked where its exchange asks (after the last step)
-        batches = [(torch.randn(8, 512, generator=generator),) for _ in range(2)]
-        sim.backward(batches, lambda replica, x: replica(x).square().mean())
+        sim.backward([(x,) for x in late_batches(generator)], late_loss)
         sim.step()
-    return sim.engines[0], used
+    return sim.engines[0], used, [p.detach().clone() for p in sim.replicas[0].parameters()]
 
 
 def test_a_late_freeze_keeps_the_byte_budget_as_the_engine_counts_it():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine, used = simulate_late_freeze(600, 12)
+        engine, used, _ = simulate_late_freeze()
     stage, totals = engine.transform, engine.telemetry.stats()["total"]
     assert isinstance(engine.compressor, gradcomp.ThreeBit) and stage.gate.opened == 13 and stage.freeze_delay == 3
     # The three extra dense steps are paid back by the ternary code over the run's last steps.
@@ -188,7 +203,7 @@ def test_a_late_freeze_keeps_the_byte_budget_as_the_engine_counts_it():
     notices = [str(w.message) for w in caught if issubclass(w.category, gradcomp.RecipeNotice)]
     assert any(f"its last {600 - switch} steps in TwoBit" in n and "under" not in n for n in notices), notices
     # Only shifted, the same run sends more than the budget: the replan is what keeps it.
-    shifted, used = simulate_late_freeze(600, 12, replan=False)
+    shifted, used, _ = simulate_late_freeze(replan=False)
     shifted_totals = shifted.telemetry.stats()["total"]
     assert all(type(c).__name__ == "ThreeBit" for c in used[13:])
     assert shifted_totals["dense_bytes"] / shifted_totals["bytes_sent"] < 7.99

@@ -395,3 +395,14 @@ def test_ddp_and_horovod_give_the_same_result_for_the_same_settings(tmp_path):
         for name, value in ddp[0]["params"].items():
             torch.testing.assert_close(hv["params"][name], value, rtol=0, atol=0, msg=f"{kind} {spec} {name}")
         assert_params_equal(horovod[0][f"{kind}-{spec}"], horovod[1][f"{kind}-{spec}"], "Horovod replicas")
+    # A freeze held past a hand-set warm-up, then 3-bit and the ternary tail that keeps the budget: both Horovod
+    # ranks open alike and train bitwise as the simulation of the same run.
+    import test_freeze_gate as gate
+
+    engine, used, params = gate.simulate_late_freeze()
+    for rank in range(2):
+        late = horovod[rank]["late-freeze"]
+        assert late["opened"] == engine.transform.gate.opened == gate.LATE_WARMUP + 1
+        assert late["used"] == [type(c).__name__ for c in used] and "TwoBit" in late["used"]
+        assert all(torch.equal(a, b) for a, b in zip(late["params"], params)), f"late-freeze, rank {rank}"
+        assert late["stats"]["dense_bytes"] / late["stats"]["bytes_sent"] >= 8.0
