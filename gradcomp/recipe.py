@@ -116,8 +116,8 @@ RAMP_MIN_FRACTION = 0.4
 RAMP_FRACTION = 0.75
 #: The byte budget over the whole run, dense start included: dense bytes / bytes sent, at least.
 MIN_COMPRESSION = {"topk": 8.0, "twobit": 8.0, "threebit": 8.0}
-#: First densities the ramp may start at, densest first (the densest the byte budget affords over the
-#: ramp's shortest length is taken); each next stage halves the density.
+#: First densities the ramp may start at, densest first (the densest the byte budget affords over the ramp's
+#: shortest length is taken); each next stage halves it. Chosen, not tuned: DGC's first stage (1/4) and two sparser.
 RAMP_STARTS = (1 / 4, 1 / 8, 1 / 16)
 #: The residual decay of 3-bit under SGD: a memory of about 10 steps, as momentum 0.9's (0.5 forgot too
 #: fast on charlm-small; on top-k it hurt).

@@ -10,7 +10,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["MIN_STEADY_FREEZE", "EXCHANGES", "optimizer_settings", "decoupled_weight_decay",
+__all__ = ["MIN_STEADY_FREEZE", "VARIANCE_FLOOR", "EXCHANGES", "optimizer_settings", "decoupled_weight_decay",
            "check_optimizer"]
 
 #: Fewer steps than this before the freeze get a warning: the variance is then a handful of samples.
@@ -21,6 +21,11 @@ __all__ = ["MIN_STEADY_FREEZE", "EXCHANGES", "optimizer_settings", "decoupled_we
 #: hand-set warm-up: no count of steps is the rule (experiments/results/research-steady-freeze/); the freeze
 #: now waits for such a warm-up to end (gradcomp.optim.freeze_gate), and both runs train.
 MIN_STEADY_FREEZE = 10
+#: The floor of a frozen ``sqrt(v_hat)``, as a fraction of its tensor's mean: a coordinate Adam has seen (almost)
+#: no gradient for would otherwise divide by about ``eps`` and step by thousands of learning rates when error
+#: feedback first sends it. Chosen, not tuned (every run of the study's five workloads has it); it binds only
+#: where ``sqrt(v_hat)`` is under a tenth of its tensor's mean.
+VARIANCE_FLOOR = 0.1
 EXCHANGES = ("gradient", "momentum")
 
 

@@ -55,6 +55,7 @@ from typing import Dict, Hashable, Iterable, List, Optional, Tuple, Union
 import torch
 
 from gradcomp.optim.adam_settings import (
+    VARIANCE_FLOOR,
     check_optimizer,
     decoupled_weight_decay,
     optimizer_settings,
@@ -90,7 +91,7 @@ class FrozenVarianceAdam:
     """
 
     def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], freeze_step: int,
-                 exchange: str = "gradient", variance_floor: float = 0.1, step_hook: bool = True,
+                 exchange: str = "gradient", variance_floor: float = VARIANCE_FLOOR, step_hook: bool = True,
                  delay_steps: float = DELAY_STEPS, bounded: bool = False, latest_freeze: Optional[int] = None,
                  freeze_cost=None):
         check_optimizer(optimizer, freeze_step, exchange, variance_floor)
