@@ -114,9 +114,8 @@ class CompactParts(NamedTuple):
         sent = values.to(torch.bfloat16)  # round to nearest even, as every backend's bfloat16 store
         buffer.view(torch.bfloat16).index_copy_(0, self.values[owner] + entry, sent)
         wide = indices.to(torch.int64)
-        if residual_out is not None:
-            residual_out.index_put_((wide + self.offsets[owner],), values.to(torch.float32) - sent.to(torch.float32),
-                                    accumulate=True)
+        if residual_out is not None:  # the positions are distinct, so an index_add_ is the element-wise sum
+            residual_out.index_add_(0, wide + self.offsets[owner], values.to(torch.float32) - sent.to(torch.float32))
         buffer.view(torch.int16).index_copy_(0, self.local[owner] + entry, signed16(wide & (self.CHUNK - 1)))
         counts = torch.bincount(self.first_chunk[owner] + wide // self.CHUNK, minlength=self.count_words.numel())
         buffer.view(torch.int32).index_copy_(0, self.count_words, counts.to(torch.int32))
