@@ -13,9 +13,12 @@ set to 0: 3-bit whatever its dense start) or ``ternary`` (set beyond any run: th
 does a freeze after the loop's learning-rate warm-up (20 steps in the GPT loop, set by hand) train the runs
 that froze inside it?
 
+``TAIL`` (optional, ``last`` unless named): where a late freeze's ternary steps go (``gradcomp.recipe._replan``):
+``last``, the recipe's, the run's last steps; ``first``, right after the freeze, then 3-bit to the end.
+
 Usage, from the repository root:
 ``PYTHONPATH=. python experiments/results/research-steady-freeze/screens/screen_freeze.py CODE LOG WORKLOAD
-STEPS [SEED [MIN_DENSE]]`` (seed 0 unless named).
+STEPS [SEED [MIN_DENSE [TAIL]]]`` (seed 0 unless named).
 """
 import sys
 
@@ -26,14 +29,27 @@ from experiments import (
     simrun,
 )
 from experiments.convergence import RunSpec
-from gradcomp import recipe
+from gradcomp import recipe, schedule
 from gradcomp.optim import adam_settings
 
 THRESHOLDS = {"threebit": 0, "ternary": 10**9}
 
 
-def main(code: str, log: str, workload: str, steps: str, seed: str = "0", min_dense: str = "0") -> None:
+class TernaryFirst(schedule.CodeSwitch):
+    """The same steps of ``later`` as :class:`~gradcomp.schedule.CodeSwitch`, right after the dense start."""
+
+    def compressor_at(self, step, base):
+        if step < self.dense_steps:
+            return None
+        return self.later if step < self.dense_steps + (self.total - self.switch_step) else base
+
+
+def main(code: str, log: str, workload: str, steps: str, seed: str = "0", min_dense: str = "0",
+         tail: str = "last") -> None:
     torch.set_num_threads(1)
+    if tail == "first":
+        TernaryFirst.total = int(steps)
+        recipe.CodeSwitch = TernaryFirst
     if code != "dense":
         adam_settings.MIN_STEADY_FREEZE = THRESHOLDS[code]
     dense_start = recipe._dense_start
