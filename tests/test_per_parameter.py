@@ -257,8 +257,18 @@ def _both_checks_agree(grouped, bad, n) -> bool:
     return False
 
 
+@pytest.fixture(params=["torch", "numba"])
+def compact_form(request, monkeypatch):
+    """Whose compact top-k encode and check run (:data:`gradcomp.backends.SPARSE_PART_OPS`), through the
+    environment, so that the payload checks, which take no backend argument, follow it too."""
+    if request.param == "numba":
+        pytest.importorskip("numba", reason="the numba forms need numba")
+    monkeypatch.setenv(gradcomp.backends.ENV_VAR, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("spec", ["twobit:chunk", "threebit", "topk:0.01", "topk:0.1", "topk:0.04,entries=compact"])
-def test_the_batched_check_accepts_exactly_what_the_parts_accept(spec):
+def test_the_batched_check_accepts_exactly_what_the_parts_accept(spec, compact_form):
     """Every single-word corruption of a group's payload (and, for top-k, an index repeated or moved):
     the group's check and decode agree with the parts' (:func:`_both_checks_agree`)."""
     grouped = PerParameter(gradcomp.from_spec(spec), NUMELS, dense_below=DENSE_BELOW)
@@ -277,7 +287,7 @@ def test_the_batched_check_accepts_exactly_what_the_parts_accept(spec):
     assert rejected > 100
 
 
-def test_compact_parts_of_many_chunks_check_and_decode_as_the_parts_do():
+def test_compact_parts_of_many_chunks_check_and_decode_as_the_parts_do(compact_form):
     """Compact top-k over parameters of several 65536-element chunks (a part's last chunk short): the batched
     compress, decode and sent positions equal the parts' own, and every corruption of a count (moved
     between chunks, so the total holds, or not) or of a 16-bit index is judged as the parts judge it."""
@@ -345,3 +355,38 @@ def test_the_average_adds_what_the_check_decoded_bitwise(spec):
     if checked[0] is not None:  # what is added is the checked entries, not a second decode of the bytes
         first_thrice = average_gathered(grouped, layout, gathered, torch.zeros(sum(NUMELS)), checked=[checked[0]] * 3)
         assert not torch.equal(first_thrice, decoded)
+
+
+def test_the_numba_compact_forms_write_and_read_the_torch_forms_bits():
+    """Compact encode and check over parts of several chunks, values at bfloat16's rounding edges (ties to
+    even, the largest finite, infinities, subnormals, signed zeros): the numba forms' payload bytes, residuals
+    and checked entries are the torch forms' (no NaN: the top-k contract leaves its bits open)."""
+    pytest.importorskip("numba", reason="the numba forms need numba")
+    numels = (70_000, 3000, 65_536, 10, 140_001)
+    grouped = PerParameter(gradcomp.TopK(0.02, entries="compact"), numels, dense_below=DENSE_BELOW)
+    parts = grouped._plan(torch.float32).sparse["cpu"]
+    kept = [part for part in grouped.parts if not part.dense]
+    ks = [grouped.base.k(part.numel) for part in kept]
+    generator = torch.Generator().manual_seed(3)
+    indices = torch.cat([torch.randperm(part.numel, generator=generator)[:k].sort().values for part, k in
+                         zip(kept, ks)]).to(torch.int32)
+    edges = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.3895e38, float("inf"), -float("inf"),
+                          1e-40, -1e-45, 0.0, -0.0])
+    values = torch.randn(sum(ks), generator=generator)
+    values[:edges.numel()] = edges
+    payload = grouped._plan(torch.float32).whole.allocate(torch.device("cpu"))
+    for residual in (torch.randn(sum(numels), generator=generator), None):
+        buffers, residuals = [], []
+        for backend in ("torch", "numba"):
+            buffer = payload.buffer.clone().fill_(0)
+            out = None if residual is None else residual.clone()
+            parts.encode(values, indices, buffer, out, backend)
+            buffers.append(buffer)
+            residuals.append(out)
+        assert torch.equal(buffers[0], buffers[1])
+        if residual is not None:
+            # an infinity sent leaves inf - inf, a NaN, in the residual: the same entries NaN on both
+            torch.testing.assert_close(residuals[1], residuals[0], rtol=0, atol=0, equal_nan=True)
+        checked = [parts.entries(buffers[0], torch.float32, backend) for backend in ("torch", "numba")]
+        assert torch.equal(checked[0][0], checked[1][0])
+        assert torch.equal(checked[0][1].view(torch.int16), checked[1][1].view(torch.int16))

@@ -218,6 +218,28 @@ def implements_parts(op: str, backend: str) -> Callable[[Callable], Callable]:
     return _register(f"{op}/parts", backend)
 
 
+#: Compact top-k's forms over every part of a group (:class:`~gradcomp.backends.sparse_parts.CompactParts`): torch's
+#: are the class's own methods, on any device; a backend may register a faster one that writes and reads the same
+#: bits (:func:`sparse_parts_kernel`).
+SPARSE_PART_OPS = ("compact_encode", "compact_entries")
+
+
+def implements_sparse_parts(op: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` is ``backend``'s form of the compact top-k op ``op`` (:data:`SPARSE_PART_OPS`), kept in
+    :data:`KERNELS` under ``(op + "/sparse_parts", backend)``."""
+    if op not in SPARSE_PART_OPS:
+        raise ValueError(f"unknown op {op!r}; the compact top-k forms are {SPARSE_PART_OPS}")
+    return _register(f"{op}/sparse_parts", backend)
+
+
+def sparse_parts_kernel(op: str, device, backend: Optional[str] = None) -> Optional[Callable]:
+    """The resolved backend's form of ``op`` (:data:`SPARSE_PART_OPS`), or ``None``: then the torch form,
+    :class:`~gradcomp.backends.sparse_parts.CompactParts`' own method, runs."""
+    if op not in SPARSE_PART_OPS:
+        raise ValueError(f"unknown op {op!r}; the compact top-k forms are {SPARSE_PART_OPS}")
+    return KERNELS.get((f"{op}/sparse_parts", resolve_backend(device, backend)))
+
+
 def _register(key: str, backend: str) -> Callable[[Callable], Callable]:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; backends are {BACKENDS}")

@@ -14,6 +14,9 @@ whole group, and agree bitwise with the per-part ops (the tests compare them on 
 * :meth:`CompactParts.encode` writes every part's selection as compact entries at once, bitwise as
   :func:`~gradcomp.compressors.topk.compact_encode` part by part.
 
+The compact forms are also :data:`~gradcomp.backends.SPARSE_PART_OPS`: a backend may register its own, bitwise
+these (``numba``'s: one pass each, :mod:`gradcomp.backends.numba.compact`); the code here runs where it has none.
+
 Every index tensor is int64 ``[parts]`` or ``[chunks]`` (a chunk is 65536 elements): a few numbers a
 parameter, so a plan kept for every density of a ramp costs nothing next to the model. Buffers are read, not
 mutated, except by :meth:`CompactParts.encode`.
@@ -35,6 +38,13 @@ def _owners(counts: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tenso
     return owner, rank
 
 
+def _fast(op: str, device, backend: Optional[str]):
+    """The resolved backend's form of ``op`` (``None``: the torch code here runs)."""
+    from gradcomp.backends import sparse_parts_kernel  # the registry imports this module's users
+
+    return sparse_parts_kernel(op, device, backend)
+
+
 def signed16(low: torch.Tensor) -> torch.Tensor:
     """``low`` (int64, each in ``[0, 65536)``: an index inside its chunk) as the int16 a compact payload
     stores: the same 16 bits, read back unsigned by ``& 0xFFFF``."""
@@ -53,11 +63,13 @@ class SparseParts(NamedTuple):
     def to(self, device) -> "SparseParts":
         return SparseParts(*(column.to(device) for column in self))
 
-    def entries(self, buffer: torch.Tensor, dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    def entries(self, buffer: torch.Tensor, dtype: torch.dtype, backend: Optional[str] = None
+                ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(group positions int64 [k], values [k] in dtype)`` of every part's entries, or ``None`` unless each
         part's indices strictly increase inside ``[0, numel)``: the top-k check of every part in three
         reductions (as the parts' ranges follow one another, that is every index in its part's range and the
-        group positions strictly increasing). ``buffer``: the payload's bytes (uint8)."""
+        group positions strictly increasing). ``buffer``: the payload's bytes (uint8); ``backend`` is
+        :meth:`CompactParts.entries`' (these few ops run on every backend)."""
         words = buffer.view(torch.int32)
         owner, rank = _owners(self.counts, int(self.counts.sum()))
         local = words.index_select(0, self.indices[owner] + rank).long()
@@ -87,12 +99,16 @@ class CompactParts(NamedTuple):
     def to(self, device) -> "CompactParts":
         return CompactParts(*(column.to(device) for column in self))
 
-    def entries(self, buffer: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+    def entries(self, buffer: torch.Tensor, dtype: torch.dtype = torch.bfloat16, backend: Optional[str] = None
                 ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(group positions int64 [k], values bfloat16 [k])`` of every part's entries, or ``None`` unless
         every part's counts are >= 0 and add up to its ``k``, and its indices (a chunk's start plus the
         unsigned 16-bit ``local``) lie in its chunk and strictly increase: the compact top-k check of every
-        part (``dtype`` is the gradient's, unused: compact values are bfloat16)."""
+        part (``dtype`` is the gradient's, unused: compact values are bfloat16). ``backend``: whose form runs
+        (:func:`~gradcomp.backends.sparse_parts_kernel`; this torch code where it has none)."""
+        fast = _fast("compact_entries", buffer.device, backend)
+        if fast is not None:
+            return fast(self, buffer)
         counts = buffer.view(torch.int32).index_select(0, self.count_words).long()
         per_part = torch.zeros_like(self.k).index_add_(0, self.chunk_part, counts)
         if bool((counts < 0).any() | (per_part != self.k).any()):
@@ -105,11 +121,14 @@ class CompactParts(NamedTuple):
         return (group, buffer.view(torch.bfloat16).index_select(0, self.values[owner] + entry)) if ok else None
 
     def encode(self, values: torch.Tensor, indices: torch.Tensor, buffer: torch.Tensor,
-               residual_out: Optional[torch.Tensor]) -> None:
+               residual_out: Optional[torch.Tensor], backend: Optional[str] = None) -> None:
         """Write every part's selection (``values`` ``[k]`` in the gradient's dtype, ``indices`` ``[k]`` each
         part's own ascending positions, parts one after another) as compact entries into ``buffer``
         (mutated); ``residual_out`` (float32 ``[n]``, mutated) receives what bfloat16 rounds off each value
-        at its group position, on top of what the selection left there."""
+        at its group position, on top of what the selection left there. ``backend``: as :meth:`entries`'."""
+        fast = _fast("compact_encode", buffer.device, backend)
+        if fast is not None and fast(self, values, indices, buffer, residual_out):
+            return
         owner, entry = _owners(self.k, values.numel())
         sent = values.to(torch.bfloat16)  # round to nearest even, as every backend's bfloat16 store
         buffer.view(torch.bfloat16).index_copy_(0, self.values[owner] + entry, sent)

@@ -225,7 +225,7 @@ class PerParameter(Compressor):
             op(tensor[piece], None if residual is None else residual[piece],
                None if residual_out is None else residual_out[piece], chosen, at)
         if self.base.compact:
-            self._on(plan.sparse, tensor.device).encode(values, indices, payload.buffer, residual_out)
+            self._on(plan.sparse, tensor.device).encode(values, indices, payload.buffer, residual_out, backend)
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         self.add_checked(payload, None, out, backend)
@@ -238,7 +238,7 @@ class PerParameter(Compressor):
         if plan.batched:
             kernel_parts(self.base.part_ops[1], out.device, backend)(payload.buffer.view(torch.int32),
                                                                      plan.batched, out)
-        elif plan.sparse is not None and self._sparse_add(payload, plan, dtype, out, checked):
+        elif plan.sparse is not None and self._sparse_add(payload, plan, dtype, out, checked, backend):
             pass
         elif plan.batched is None:
             for part, own in self.parts_of(payload, dtype):
@@ -249,12 +249,12 @@ class PerParameter(Compressor):
             out.index_add_(0, elements, payload.buffer.view(dtype).index_select(0, slots).float())
 
     def _sparse_add(self, payload: Payload, plan: _Plan, dtype: torch.dtype, out: torch.Tensor,
-                    entries=None) -> bool:
+                    entries=None, backend: Optional[str] = None) -> bool:
         """``out += `` every top-k part's entries (``entries`` if the check already read them) in one
         ``index_add_`` (as the kernels, ``out[i] + value``), if every part's indices are valid; ``False``
         (nothing written) if not."""
         if entries is None:
-            entries = self._on(plan.sparse, out.device).entries(payload.buffer, dtype)
+            entries = self._on(plan.sparse, out.device).entries(payload.buffer, dtype, backend)
         if entries is None:
             return False
         out.index_add_(0, entries[0], entries[1].float())

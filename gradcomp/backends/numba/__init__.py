@@ -17,6 +17,7 @@ module              what lives there
 ``topk``            the exact radix-select top-k and its workspace (``csrc/topk.cu``)
 ``concurrency``     the lock every op runs under, and why (Python threads, threading layer)
 ``ops``             the registered ops: argument checks, tensors to NumPy views
+``compact``         compact top-k's encode and check over a group's parts, one pass each
 ==================  ====================================================================
 
 Importing this package registers the ops (:mod:`gradcomp.backends` does so on first use).
@@ -33,4 +34,4 @@ import sys
 if sys.byteorder != "little":  # the 2-bit kernels address the code words as bytes
     raise ImportError("the numba backend assumes a little-endian CPU")
 
-from gradcomp.backends.numba import ops  # noqa: E402,F401  (registers the ops)
+from gradcomp.backends.numba import compact, ops  # noqa: E402,F401  (registers the ops)
