@@ -36,7 +36,8 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view({4: torch.int32, 2: torch.int16, 8: torch.int64}[tensor.element_size()])
+    integer = {4: torch.int32, 2: torch.int16, 8: torch.int64, 1: torch.uint8}[tensor.element_size()]
+    return tensor.contiguous().view(integer)
 
 
 class Mismatch(int):
@@ -212,6 +213,33 @@ def check_compressors(device, backend: str) -> int:
     return failures
 
 
+def check_compact(device, backend: str) -> int:
+    """Compact top-k's encode and check over a group's parts (:data:`gradcomp.backends.SPARSE_PART_OPS`): the
+    forms of ``backend`` write the torch forms' payload bytes and residual, and read back their entries."""
+    from gradcomp import TopK
+    from gradcomp.compressors.per_parameter import PerParameter
+
+    grouped = PerParameter(TopK(0.02, entries="compact"), (70_000, 3000, 65_536, 140_001))
+    plan = grouped._plan(torch.float32)
+    parts = grouped._on(plan.sparse, device)
+    ks = [grouped.base.k(part.numel) for part in grouped.parts]
+    generator = torch.Generator().manual_seed(3)
+    indices = torch.cat([torch.randperm(part.numel, generator=generator)[:k].sort().values
+                         for part, k in zip(grouped.parts, ks)]).to(torch.int32).to(device)
+    values = make_values("normal", sum(ks), device, 13)
+    results = []
+    for chosen in (backend, "torch"):
+        buffer = plan.whole.allocate(device).buffer.zero_()
+        residual = make_values("normal", grouped.numel, device, 14)
+        parts.encode(values, indices, buffer, residual, chosen)
+        positions, read = parts.entries(buffer, torch.float32, chosen)
+        results.append((buffer, residual, positions, read.float()))
+    bad = sum(mismatches(a, b) for a, b in zip(*results))
+    if bad:
+        print(f"  MISMATCH compact top-k encode/check: {bad} elements differ from the torch forms")
+    return int(bad > 0)
+
+
 # --- timing -----------------------------------------------------------------------
 
 
@@ -325,6 +353,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("correctness against the torch reference:")
     failures = check_correctness(device, kernels, reference)
     failures += check_compressors(device, "cuda")
+    failures += check_compact(device, "cuda")
     torch.cuda.synchronize()
     print("correctness: " + ("all match" if failures == 0 else f"{failures} MISMATCHES"))
 

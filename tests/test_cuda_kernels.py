@@ -29,9 +29,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import gradcomp
 import gradcomp.backends
 import gradcomp.csrc
 from gradcomp.backends import checks, cuda_source, torch_ops
+from gradcomp.compressors.per_parameter import PerParameter
 
 TESTS_DIR = Path(__file__).resolve().parent
 SOURCE_DIR = Path(gradcomp.csrc.__file__).resolve().parent
@@ -560,6 +562,13 @@ def test_emulation_executes_every_cuda_kernel(emulator):
         codes, scales = torch.empty(4, dtype=torch.int32), torch.empty(1)  # the 3-bit code
         cuda_ops.plan_threebit_compress(launcher, TINY, grad, residual_in, residual_out.tensor, codes, scales)
         cuda_ops.plan_threebit_decompress_add(launcher, TINY, codes, scales, torch.zeros(40))
+    # compact top-k's encode and check over a group's parts (tests/test_cuda_compact.py compares them)
+    grouped = PerParameter(gradcomp.TopK(0.02, entries="compact"), (70_000, 3000))
+    parts, indices = grouped._plan(torch.float32).sparse["cpu"], torch.tensor([5, 70_000 - 1, 7], dtype=torch.int32)
+    buffer = grouped._plan(torch.float32).whole.allocate(torch.device("cpu")).buffer
+    parts = parts._replace(k=torch.tensor([2, 1]))  # two entries of the first part, one of the second
+    assert cuda_ops.plan_compact_encode(launcher, TINY, parts, torch.ones(3), indices, buffer, torch.zeros(73_000))
+    assert cuda_ops.plan_compact_entries(launcher, TINY, parts, buffer)[0].tolist() == [5, 70_000 - 1, 70_007]
     assert launcher.kernel_names, "the emulation found no kernels"
     assert set(launcher.launches) == set(launcher.kernel_names)
 
@@ -620,13 +629,15 @@ _has_cupy = importlib.util.find_spec("cupy") is not None
 
 @pytest.mark.skipif(not _has_cupy, reason="cupy is not installed (pip install cupy-cuda12x)")
 def test_cuda_backend_registers_its_ops_when_cupy_imports():
-    from gradcomp.backends import KERNELS, OPS, is_available
+    from gradcomp.backends import KERNELS, OPS, SPARSE_PART_OPS, is_available
 
     assert is_available("cuda")
     import gradcomp.backends.cuda_ops as real_cuda_ops
 
     for op in OPS:
         assert KERNELS[(op, "cuda")] is getattr(real_cuda_ops, op)
+    for op in SPARSE_PART_OPS:
+        assert KERNELS[(f"{op}/sparse_parts", "cuda")] is getattr(real_cuda_ops, op)
 
 
 @pytest.mark.skipif(not _has_cupy, reason="cupy is not installed (pip install cupy-cuda12x)")

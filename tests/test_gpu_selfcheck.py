@@ -34,6 +34,22 @@ def test_a_kernel_that_disagrees_is_counted_and_named(capsys):
     assert "MISMATCH topk_decompress_add" in capsys.readouterr().out
 
 
+def test_the_compact_check_passes_forms_that_agree_and_counts_one_that_does_not(monkeypatch, capsys):
+    """check_compact on CPU with the numba forms (the GPU run compares the cuda forms alike), then with an encode
+    that rounds one value differently."""
+    assert gpu_selfcheck.check_compact(torch.device("cpu"), "numba") == 0
+    assert "MISMATCH" not in capsys.readouterr().out
+    encode = backends.KERNELS[("compact_encode/sparse_parts", "numba")]
+
+    def rounding_one_off(parts, values, indices, buffer, residual_out):
+        return encode(parts, torch.cat([values[:1].nextafter(torch.tensor(9.0)), values[1:]]), indices, buffer,
+                      residual_out)
+
+    monkeypatch.setitem(backends.KERNELS, ("compact_encode/sparse_parts", "numba"), rounding_one_off)
+    assert gpu_selfcheck.check_compact(torch.device("cpu"), "numba") == 1
+    assert "MISMATCH compact top-k" in capsys.readouterr().out
+
+
 def test_a_mismatch_names_its_first_elements_and_their_bits():
     """A GPU run's report must say what differs, not only how much: -0.0 against +0.0 is two
     elements apart in bits although equal as numbers, and any two NaNs count as equal."""

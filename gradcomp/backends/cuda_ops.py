@@ -10,12 +10,15 @@ that top-k decoding needs to report a bad payload:
   ordered write of values, indices and residual (see ``csrc/topk.cu``).
 * ``topk_decompress_add``: a check of the indices, then the decoder, which writes nothing
   unless every index lies in ``[0, n)`` strictly increasing; then one read of the check's
-  counter back to the host (the only synchronisation of any op), which raises
+  counter back to the host (the only synchronisation of these ops), which raises
   ``ValueError`` for a bad payload.
+* ``compact_encode`` and ``compact_entries`` (compact top-k over a group's parts,
+  :data:`~gradcomp.backends.SPARSE_PART_OPS`): the plans of :mod:`gradcomp.backends.cuda_compact`,
+  two launches to encode, three to check and one read of the check's verdict.
 
 The launch plans are plain functions of a ``launch(name, grid, block, args)`` callable and a
-:class:`LaunchConfig`, so the tests run the very same plans against a CPU emulation of the
-kernels (``tests/emulation``), with tiny blocks and grids, where no GPU exists.
+:class:`~gradcomp.backends.cuda_launch.LaunchConfig`, so the tests run the very same plans against a CPU
+emulation of the kernels (``tests/emulation``), with tiny blocks and grids, where no GPU exists.
 
 Tensors stay torch tensors: kernels receive their ``data_ptr()`` (zero-copy, like DLPack
 but without building a CuPy array per call), scratch comes from torch's caching allocator
@@ -26,23 +29,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import cupy  # ImportError here marks the backend unavailable (gradcomp.backends._load)
 import numpy
 import torch
 
-from gradcomp.backends import checks, implements
+from gradcomp.backends import checks, implements, implements_sparse_parts
+from gradcomp.backends.cuda_compact import plan_compact_encode, plan_compact_entries
+from gradcomp.backends.cuda_launch import MAX_THREADS, Launch, LaunchConfig, pointer
 from gradcomp.backends.cuda_source import compile_image
 
 logger = logging.getLogger(__name__)
-
-#: ``GRADCOMP_MAX_THREADS`` of ``csrc/gradcomp_common.cuh``: shared arrays are sized for it.
-MAX_THREADS = 256
-#: ``launch(kernel_name, grid, block, args)``; ``args`` are NumPy scalars: ``numpy.uint64``
-#: for pointers, ``numpy.int64``/``numpy.int32`` for integers, ``numpy.float32`` for floats.
-Launch = Callable[[str, int, int, Tuple], None]
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _INDEX_SUFFIX = {torch.int32: "i32", torch.int64: "i64"}
@@ -50,35 +48,6 @@ _INDEX_SUFFIX = {torch.int32: "i32", torch.int64: "i64"}
 TOPK_PASSES = ((20, 11), (10, 10), (0, 10))
 _TOPK_HISTOGRAM_BINS = sum(1 << bits for _, bits in TOPK_PASSES)
 _TOPK_STATE = 2  # prefix (the threshold key once done), how many ties are still needed
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Block and grid sizes. Grid-stride loops make every size correct; these only tune.
-
-    ``threads``: threads per block (at most :data:`MAX_THREADS`). ``max_blocks``: grid cap of
-    the element-wise kernels and of top-k's count/write (whose per-block prefix costs
-    O(grid)). ``histogram_blocks``: grid cap of top-k's histogram passes, lower because
-    every block flushes a whole histogram with global atomics.
-    """
-
-    threads: int = 256
-    max_blocks: int = 1024
-    histogram_blocks: int = 256
-
-    def __post_init__(self):
-        if not 1 <= self.threads <= MAX_THREADS:
-            raise ValueError(f"LaunchConfig.threads must be in [1, {MAX_THREADS}], got {self.threads}")
-        if self.max_blocks < 1 or self.histogram_blocks < 1:
-            raise ValueError("LaunchConfig.max_blocks and histogram_blocks must be >= 1")
-
-    def blocks(self, work_items: int, cap: Optional[int] = None) -> int:
-        """Blocks for ``work_items`` items of one thread each, at least 1, at most ``cap``."""
-        return max(1, min(cap or self.max_blocks, -(-work_items // self.threads)))
-
-
-def _ptr(tensor: Optional[torch.Tensor]) -> numpy.uint64:
-    return numpy.uint64(0 if tensor is None else tensor.data_ptr())
 
 
 # --- launch plans (shared by the GPU and the CPU emulation) ----------------------------
@@ -93,7 +62,8 @@ def plan_twobit_compress(launch: Launch, config: LaunchConfig, grad, residual_in
         f"gradcomp_twobit_compress_{_DTYPE_SUFFIX[grad.dtype]}",
         min(tiles, config.max_blocks),
         config.threads,
-        (_ptr(grad), _ptr(residual_in), _ptr(residual_out), numpy.float32(threshold), _ptr(codes), numpy.int64(n)),
+        (pointer(grad), pointer(residual_in), pointer(residual_out), numpy.float32(threshold), pointer(codes),
+         numpy.int64(n)),
     )
 
 
@@ -105,7 +75,7 @@ def plan_twobit_decompress_add(launch: Launch, config: LaunchConfig, codes, thre
         "gradcomp_twobit_decompress_add",
         config.blocks(n),
         config.threads,
-        (_ptr(codes), numpy.float32(threshold), _ptr(out), numpy.int64(n)),
+        (pointer(codes), numpy.float32(threshold), pointer(out), numpy.int64(n)),
     )
 
 
@@ -124,7 +94,7 @@ def plan_twobit_chunk_compress(launch: Launch, config: LaunchConfig, grad, resid
         f"gradcomp_twobit_chunk_compress_{_DTYPE_SUFFIX[grad.dtype]}",
         min(groups, config.max_blocks),
         threads,
-        (_ptr(grad), _ptr(residual_in), _ptr(residual_out), _ptr(codes), _ptr(scales), numpy.int64(n)),
+        (pointer(grad), pointer(residual_in), pointer(residual_out), pointer(codes), pointer(scales), numpy.int64(n)),
     )
 
 
@@ -133,7 +103,7 @@ def plan_twobit_chunk_decompress_add(launch: Launch, config: LaunchConfig, codes
     if n == 0:
         return
     launch("gradcomp_twobit_chunk_decompress_add", config.blocks(n), config.threads,
-           (_ptr(codes), _ptr(scales), _ptr(out), numpy.int64(n)))
+           (pointer(codes), pointer(scales), pointer(out), numpy.int64(n)))
 
 
 #: Threads per block of the 3-bit compress kernel: one per element of its 128-element chunk
@@ -147,8 +117,8 @@ def plan_threebit_compress(launch: Launch, config: LaunchConfig, grad, residual_
     if n == 0:
         return
     launch(f"gradcomp_threebit_compress_{_DTYPE_SUFFIX[grad.dtype]}", min(-(-n // THREEBIT_TILE), config.max_blocks),
-           THREEBIT_THREADS, (_ptr(grad), _ptr(residual_in), _ptr(residual_out), _ptr(codes), _ptr(scales),
-                              numpy.int64(n)))
+           THREEBIT_THREADS, (pointer(grad), pointer(residual_in), pointer(residual_out), pointer(codes),
+                              pointer(scales), numpy.int64(n)))
 
 
 def plan_threebit_decompress_add(launch: Launch, config: LaunchConfig, codes, scales, out):
@@ -156,7 +126,7 @@ def plan_threebit_decompress_add(launch: Launch, config: LaunchConfig, codes, sc
     if n == 0:
         return
     launch("gradcomp_threebit_decompress_add", config.blocks(n), config.threads,
-           (_ptr(codes), _ptr(scales), _ptr(out), numpy.int64(n)))
+           (pointer(codes), pointer(scales), pointer(out), numpy.int64(n)))
 
 
 def plan_topk_compress(launch: Launch, config: LaunchConfig, grad, residual_in, residual_out, values, indices):
@@ -172,7 +142,7 @@ def plan_topk_compress(launch: Launch, config: LaunchConfig, grad, residual_in, 
     state = numpy.uint64(base + 8 * _TOPK_HISTOGRAM_BINS)
     block_above = numpy.uint64(base + 8 * (_TOPK_HISTOGRAM_BINS + _TOPK_STATE))
     block_ties = numpy.uint64(base + 8 * (_TOPK_HISTOGRAM_BINS + _TOPK_STATE + blocks))
-    g, r_in, n64 = _ptr(grad), _ptr(residual_in), numpy.int64(n)
+    g, r_in, n64 = pointer(grad), pointer(residual_in), numpy.int64(n)
     if k == 0:
         # Nothing selected: a threshold above every 31-bit key, no ties needed.
         scratch[_TOPK_HISTOGRAM_BINS] = 1 << 31
@@ -199,7 +169,7 @@ def plan_topk_compress(launch: Launch, config: LaunchConfig, grad, residual_in, 
         f"gradcomp_topk_write_{suffix}_{_INDEX_SUFFIX[indices.dtype]}",
         blocks,
         config.threads,
-        (g, r_in, _ptr(residual_out), n64, state, block_above, block_ties, _ptr(values), _ptr(indices)),
+        (g, r_in, pointer(residual_out), n64, state, block_above, block_ties, pointer(values), pointer(indices)),
     )
 
 
@@ -215,13 +185,13 @@ def plan_topk_decompress_add(launch: Launch, config: LaunchConfig, values, indic
         f"gradcomp_topk_check_indices_{index_suffix}",
         config.blocks(k),
         config.threads,
-        (_ptr(indices), numpy.int64(k), numpy.int64(n), _ptr(bad)),
+        (pointer(indices), numpy.int64(k), numpy.int64(n), pointer(bad)),
     )
     launch(
         f"gradcomp_topk_decompress_add_{_DTYPE_SUFFIX[values.dtype]}_{index_suffix}",
         config.blocks(k),
         config.threads,
-        (_ptr(values), _ptr(indices), _ptr(out), numpy.int64(k), numpy.int64(n), _ptr(bad)),
+        (pointer(values), pointer(indices), pointer(out), numpy.int64(k), numpy.int64(n), pointer(bad)),
     )
     failed = int(bad.item())  # the one device-to-host read of any op
     if failed:
@@ -318,8 +288,8 @@ def _cupy_stream(device_index: int) -> "cupy.cuda.Stream":
     return wrapped
 
 
-def _run_on_device(plan, tensors, *args) -> None:
-    """Run ``plan(launch, config, *args)`` on the device of ``tensors``, on torch's stream."""
+def _run_on_device(plan, tensors, *args):
+    """Run ``plan(launch, config, *args)`` on the device of ``tensors``, on torch's stream; what it returns."""
     present = [t for t in tensors if t is not None]
     devices = {t.device for t in present}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
@@ -332,7 +302,7 @@ def _run_on_device(plan, tensors, *args) -> None:
         index = torch.cuda.current_device()
     launcher = device_launcher(index)
     with cupy.cuda.Device(index), _cupy_stream(index):
-        plan(launcher, device_config(index), *args)
+        return plan(launcher, device_config(index), *args)
 
 
 @implements("twobit_compress", "cuda")
@@ -377,3 +347,14 @@ def threebit_compress(grad, residual_in, residual_out, codes, scales) -> None:
 @implements("threebit_decompress_add", "cuda")
 def threebit_decompress_add(codes, scales, out) -> None:
     _run_on_device(plan_threebit_decompress_add, (codes, scales, out), codes, scales, out)
+
+
+@implements_sparse_parts("compact_encode", "cuda")
+def compact_encode(parts, values, indices, buffer, residual_out) -> bool:
+    return _run_on_device(plan_compact_encode, (values, indices, buffer, residual_out),
+                          parts, values, indices, buffer, residual_out)
+
+
+@implements_sparse_parts("compact_entries", "cuda")
+def compact_entries(parts, buffer):
+    return _run_on_device(plan_compact_entries, (buffer,), parts, buffer)

@@ -14,7 +14,7 @@ import gradcomp.csrc
 
 SOURCE_DIR = os.path.dirname(os.path.abspath(gradcomp.csrc.__file__))
 #: Kernel sources compiled into one module, in this order.
-SOURCE_FILES = ("twobit.cu", "twobit_chunk.cu", "threebit.cu", "topk.cu")
+SOURCE_FILES = ("twobit.cu", "twobit_chunk.cu", "threebit.cu", "topk.cu", "compact.cu")
 #: Options for NVRTC. The kernels must match the torch reference bit for bit, so IEEE arithmetic
 #: throughout: denormals kept (CuPy's own compile path always adds ``-ftz=true``, which flushes
 #: them -- on an H200 a denormal in ``out`` then vanished in 2-bit decoding -- so

@@ -15,7 +15,8 @@ whole group, and agree bitwise with the per-part ops (the tests compare them on 
   :func:`~gradcomp.compressors.topk.compact_encode` part by part.
 
 The compact forms are also :data:`~gradcomp.backends.SPARSE_PART_OPS`: a backend may register its own, bitwise
-these (``numba``'s: one pass each, :mod:`gradcomp.backends.numba.compact`); the code here runs where it has none.
+these (``numba``'s: one pass each, :mod:`gradcomp.backends.numba.compact`; ``cuda``'s: a few launches each,
+:mod:`gradcomp.backends.cuda_compact`); the code here runs where it has none.
 
 Every index tensor is int64 ``[parts]`` or ``[chunks]`` (a chunk is 65536 elements): a few numbers a
 parameter, so a plan kept for every density of a ramp costs nothing next to the model. Buffers are read, not
