@@ -1,0 +1,33 @@
+"""Top-k's dense start under Adam, shortened: is it dense's quality sooner on a slow link?
+
+The recipe keeps Adam's dense start (its second moment estimated densely, then frozen) for at least
+:data:`gradcomp.recipe.ADAM_DENSE_FRACTION` (10 %) of the run, and spends the rest of the 8x byte budget on
+top-k's ramp. On the study's digits MLP at 100 Mbit/s the dense start and ramp are most of top-k's time to
+dense's quality (0.44x against the 0.35x asked): by its step 439, where it reaches the target, it had sent a
+quarter of dense's bytes. This screen runs the study's loop of ``WORKLOAD`` under ``OPTIMIZER`` with the
+top-k recipe and that fraction (``DENSE_FRACTION`` under SGD) set to ``FRACTION`` (the in-process simulation
+of 2 ranks, the study's evaluations every 2 % of the run), and writes the study's log.
+
+Usage, from the repository root: ``PYTHONPATH=. python experiments/results/research-adam-dense-start/screen.py
+LOG WORKLOAD OPTIMIZER STEPS SEED FRACTION``; ``analyse.py`` reads the logs.
+"""
+import sys
+
+import torch
+
+from experiments import (
+    screening,  # noqa: F401  (one thread for every pool, before numba loads)
+    simrun,
+)
+from experiments.convergence import RunSpec
+from gradcomp import recipe
+
+
+def main(log: str, workload: str, optimizer: str, steps: str, seed: str, fraction: str) -> None:
+    torch.set_num_threads(1)
+    recipe.ADAM_DENSE_FRACTION = recipe.DENSE_FRACTION = float(fraction)
+    simrun.run(RunSpec(workload, optimizer, "topk", int(seed), int(steps), max(1, int(steps) // 50)), log)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
