@@ -8,8 +8,11 @@ quarter of dense's bytes. This screen runs the study's loop of ``WORKLOAD`` unde
 top-k recipe and that fraction (``DENSE_FRACTION`` under SGD) set to ``FRACTION`` (the in-process simulation
 of 2 ranks, the study's evaluations every 2 % of the run), and writes the study's log.
 
+``RAMP_AT`` (optional) holds the schedule's dense start (the bytes) to at least that many steps while the
+variance still freezes at the fraction's start: which of the two does a short start break?
+
 Usage, from the repository root: ``PYTHONPATH=. python experiments/results/research-adam-dense-start/screen.py
-LOG WORKLOAD OPTIMIZER STEPS SEED FRACTION``; ``analyse.py`` reads the logs.
+LOG WORKLOAD OPTIMIZER STEPS SEED FRACTION [RAMP_AT]``; ``analyse.py`` reads the logs.
 """
 import sys
 
@@ -23,9 +26,12 @@ from experiments.convergence import RunSpec
 from gradcomp import recipe
 
 
-def main(log: str, workload: str, optimizer: str, steps: str, seed: str, fraction: str) -> None:
+def main(log: str, workload: str, optimizer: str, steps: str, seed: str, fraction: str, ramp_at: str = "0") -> None:
     torch.set_num_threads(1)
     recipe.ADAM_DENSE_FRACTION = recipe.DENSE_FRACTION = float(fraction)
+    schedule = recipe._schedule
+    recipe._schedule = lambda compressor, total, dense_steps, budget, traffic: schedule(
+        compressor, total, max(int(ramp_at), dense_steps), budget, traffic)
     simrun.run(RunSpec(workload, optimizer, "topk", int(seed), int(steps), max(1, int(steps) // 50)), log)
 
 
