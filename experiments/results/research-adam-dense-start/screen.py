@@ -9,11 +9,14 @@ top-k recipe and that fraction (``DENSE_FRACTION`` under SGD) set to ``FRACTION`
 of 2 ranks, the study's evaluations every 2 % of the run), and writes the study's log.
 
 ``RAMP_AT`` (optional) holds the schedule's dense start (the bytes) to at least that many steps while the
-variance still freezes at the fraction's start: which of the two does a short start break?
+variance still freezes at the fraction's start: which of the two does a short start break? ``FLOOR`` (optional)
+replaces :data:`gradcomp.optim.adam_settings.VARIANCE_FLOOR` (the frozen denominator's floor, a share of its
+parameter's mean): does a higher floor make an early freeze safe?
 
 Usage, from the repository root: ``PYTHONPATH=. python experiments/results/research-adam-dense-start/screen.py
-LOG WORKLOAD OPTIMIZER STEPS SEED FRACTION [RAMP_AT]``; ``analyse.py`` reads the logs.
+LOG WORKLOAD OPTIMIZER STEPS SEED FRACTION [RAMP_AT [FLOOR]]``; ``analyse.py`` reads the logs.
 """
+import functools
 import sys
 
 import torch
@@ -23,11 +26,15 @@ from experiments import (
     simrun,
 )
 from experiments.convergence import RunSpec
-from gradcomp import recipe
+from gradcomp import optim, recipe
+from gradcomp.optim import frozen_adam
 
 
-def main(log: str, workload: str, optimizer: str, steps: str, seed: str, fraction: str, ramp_at: str = "0") -> None:
+def main(log: str, workload: str, optimizer: str, steps: str, seed: str, fraction: str, ramp_at: str = "0",
+         floor: str = "") -> None:
     torch.set_num_threads(1)
+    if floor:  # the stage the recipe builds, with that floor
+        optim.FrozenVarianceAdam = functools.partial(frozen_adam.FrozenVarianceAdam, variance_floor=float(floor))
     recipe.ADAM_DENSE_FRACTION = recipe.DENSE_FRACTION = float(fraction)
     schedule = recipe._schedule
     recipe._schedule = lambda compressor, total, dense_steps, budget, traffic: schedule(
