@@ -3,6 +3,8 @@
 :class:`~gradcomp.backends.sparse_parts.CompactParts`: the same payload bytes and residuals, the same verdict on
 every corrupted payload, the same entries on every accepted one, and no write outside the payload.
 """
+import types
+
 import pytest
 import torch
 
@@ -10,22 +12,18 @@ import gradcomp
 from gradcomp.backends.cuda_launch import LaunchConfig
 from gradcomp.compressors.per_parameter import PerParameter
 from gradcomp.payload import Payload
-from test_cuda_kernels import SOURCE_DIR, TINY, cuda_emulator, cuda_ops
+from test_cuda_kernels import TINY, Guarded, build_emulator, cuda_ops
 
 # Parts of several 65536-element chunks, a part's last chunk short, and parts sent dense between them.
 NUMELS = (70_000, 3000, 65_536, 10, 140_001)
 DENSE_BELOW = 1024
 #: One thread in one block: every grid-stride loop runs the whole range in one thread.
 SERIAL = LaunchConfig(threads=1, max_blocks=1, histogram_blocks=1)
-MARGIN = 24  # bytes of sentinel either side of the payload
 
 
 @pytest.fixture(scope="module")
 def emulator():
-    try:
-        return cuda_emulator.EmulatedLauncher(cuda_emulator.build(SOURCE_DIR))
-    except FileNotFoundError as error:  # no g++
-        pytest.skip(f"the CUDA emulation needs a C++20 compiler ({cuda_emulator.CXX}): {error}")
+    return build_emulator()
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +44,11 @@ def group():
     return grouped, parts, indices, values
 
 
-def guarded_payload(grouped):
-    """``(whole, payload bytes)``: the payload inside a buffer whose margins hold a sentinel."""
-    nbytes = grouped._plan(torch.float32).whole.nbytes
-    whole = torch.full((nbytes + 2 * MARGIN,), 0xA5, dtype=torch.uint8)
-    return whole, whole[MARGIN:MARGIN + nbytes]
-
-
-def assert_margins_kept(whole):
-    assert bool((whole[:MARGIN] == 0xA5).all()) and bool((whole[-MARGIN:] == 0xA5).all()), "written outside"
+def guarded_payload(grouped) -> Guarded:
+    """A zeroed payload (``.tensor.view(torch.uint8)``) inside a buffer whose margins hold a sentinel (int64
+    words keep the payload 8-byte aligned, as its segments' views need)."""
+    words = grouped._plan(torch.float32).whole.nbytes // 8
+    return Guarded(words, torch.int64, fill=torch.zeros(words, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("config", [TINY, SERIAL], ids=["tiny", "serial"])
@@ -62,14 +56,14 @@ def assert_margins_kept(whole):
 def test_emulated_cuda_compact_encode_writes_the_torch_forms_bits(emulator, group, config, with_residual):
     grouped, parts, indices, values = group
     residual = torch.randn(sum(NUMELS), generator=torch.Generator().manual_seed(4)) if with_residual else None
-    expected_bytes = guarded_payload(grouped)[1].zero_()
+    expected_bytes = guarded_payload(grouped).tensor.view(torch.uint8)
     expected_residual = None if residual is None else residual.clone()
     parts.encode(values, indices, expected_bytes, expected_residual, "torch")
-    whole, payload = guarded_payload(grouped)
-    payload.zero_()
+    guarded = guarded_payload(grouped)
+    payload = guarded.tensor.view(torch.uint8)
     out = None if residual is None else residual.clone()
     assert cuda_ops.plan_compact_encode(emulator, config, parts, values, indices, payload, out)
-    assert_margins_kept(whole)
+    guarded.check("compact encode")
     # A NaN value's bfloat16 bits are left open by the top-k contract; every other byte is the torch form's.
     nan_slot = int(parts.values[0]) + int(torch.isnan(values).nonzero()[0, 0])
     halves, expected_halves = payload.view(torch.int16).clone(), expected_bytes.view(torch.int16).clone()
@@ -125,7 +119,7 @@ def test_emulated_cuda_compact_check_judges_as_the_torch_form(emulator, group):
     """The torch form's verdict on every corruption, and its entries (group positions, bfloat16 bits) on every
     payload it accepts; the payload is only read."""
     grouped, parts, indices, values = group
-    payload = guarded_payload(grouped)[1].zero_()
+    payload = guarded_payload(grouped).tensor.view(torch.uint8)
     parts.encode(values, indices, payload, None, "torch")
     rejected = accepted = 0
     for what, bad in [("valid", payload)] + list(_corruptions(grouped, payload)):
@@ -151,12 +145,12 @@ def test_emulated_cuda_compact_forms_round_trip_through_the_group(emulator, grou
     results = []
     for form in ("torch", "emulated"):
         plan = grouped._plan(torch.float32)
-        if form == "emulated":  # the plan's own CompactParts, its encode and entries run on the emulation
-            emulated_encode = lambda values, indices, buffer, out, backend=None: cuda_ops.plan_compact_encode(  # noqa: E731
-                emulator, TINY, parts, values, indices, buffer, out)
-            emulated_entries = lambda buffer, dtype=None, backend=None: cuda_ops.plan_compact_entries(  # noqa: E731
-                emulator, TINY, parts, buffer)
-            plan.sparse["cpu"] = _Forms(parts, emulated_encode, emulated_entries)
+        if form == "emulated":  # the plan's CompactParts stand-in: only its encode and entries are called
+            plan.sparse["cpu"] = types.SimpleNamespace(
+                encode=lambda values, indices, buffer, out, backend=None: cuda_ops.plan_compact_encode(
+                    emulator, TINY, parts, values, indices, buffer, out),
+                entries=lambda buffer, dtype=None, backend=None: cuda_ops.plan_compact_entries(
+                    emulator, TINY, parts, buffer))
         try:
             out = torch.empty(sum(NUMELS))
             payload = grouped.compress(grad, residual, out, backend="torch")
@@ -168,12 +162,3 @@ def test_emulated_cuda_compact_forms_round_trip_through_the_group(emulator, grou
     for got, expected, what in zip(results[1], results[0], ("payload", "residual", "average")):
         assert torch.equal(got, expected), what
 
-
-class _Forms:
-    """A :class:`CompactParts` whose ``encode`` and ``entries`` are the emulated CUDA forms."""
-
-    def __init__(self, parts, encode, entries):
-        self._parts, self.encode, self.entries = parts, encode, entries
-
-    def __getattr__(self, name):
-        return getattr(self._parts, name)

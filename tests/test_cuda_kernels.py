@@ -563,10 +563,10 @@ def test_emulation_executes_every_cuda_kernel(emulator):
         cuda_ops.plan_threebit_compress(launcher, TINY, grad, residual_in, residual_out.tensor, codes, scales)
         cuda_ops.plan_threebit_decompress_add(launcher, TINY, codes, scales, torch.zeros(40))
     # compact top-k's encode and check over a group's parts (tests/test_cuda_compact.py compares them)
-    grouped = PerParameter(gradcomp.TopK(0.02, entries="compact"), (70_000, 3000))
-    parts, indices = grouped._plan(torch.float32).sparse["cpu"], torch.tensor([5, 70_000 - 1, 7], dtype=torch.int32)
-    buffer = grouped._plan(torch.float32).whole.allocate(torch.device("cpu")).buffer
-    parts = parts._replace(k=torch.tensor([2, 1]))  # two entries of the first part, one of the second
+    plan = PerParameter(gradcomp.TopK(0.02, entries="compact"), (70_000, 3000))._plan(torch.float32)
+    indices = torch.tensor([5, 70_000 - 1, 7], dtype=torch.int32)
+    buffer = plan.whole.allocate(torch.device("cpu")).buffer
+    parts = plan.sparse["cpu"]._replace(k=torch.tensor([2, 1]))  # two entries of the first part, one of the second
     assert cuda_ops.plan_compact_encode(launcher, TINY, parts, torch.ones(3), indices, buffer, torch.zeros(73_000))
     assert cuda_ops.plan_compact_entries(launcher, TINY, parts, buffer)[0].tolist() == [5, 70_000 - 1, 70_007]
     assert launcher.kernel_names, "the emulation found no kernels"

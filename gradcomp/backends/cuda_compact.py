@@ -59,12 +59,12 @@ def plan_compact_entries(launch: Launch, config: LaunchConfig, parts, buffer: to
     ``None`` for a payload the check rejects (counts, their totals, an index outside its chunk, positions not
     strictly increasing)."""
     device, count, chunks = buffer.device, parts.k.numel(), parts.count_words.numel()
-    total = int(parts.k.sum())  # sizes the output: one read of the plan back to the host
+    ends = _ends(parts)
+    total = int(ends[-1]) if count else 0  # sizes the output: one read of the plan back to the host
     positions = torch.empty(total, dtype=torch.int64, device=device)
     values = torch.empty(total, dtype=torch.int16, device=device)
     starts = torch.empty(chunks, dtype=torch.int64, device=device)
     bad = torch.zeros(1, dtype=torch.int32, device=device)
-    ends = _ends(parts)
     launch("gradcomp_compact_chunk_starts", config.blocks(count), config.threads,
            (pointer(buffer), pointer(parts.k), pointer(parts.first_chunk), pointer(parts.count_words),
             pointer(starts), pointer(bad), numpy.int64(count), numpy.int64(chunks)))
