@@ -173,14 +173,18 @@ def test_state_dict_holds_settings_and_moments_only():
     gradient = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10)
     assert gradient.state_dict() == {"freeze_step": 10, "exchange": "gradient", "variance_floor": 0.1,
                                      "delay_steps": 0.0, "bounded": False, "suspended": False, "frozen_at": None,
-                                     "latest_freeze": None, "gate": {"opened": 10, "lr_seen": None, "rising": False}}
+                                     "latest_freeze": None, "gate": {"opened": 10, "lr_seen": None, "rising": False},
+                                     "spike_guard": True,
+                                     "guard": {"calls": 0, "observed": 0, "mean": None, "var": None}}
     momentum = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10, exchange="momentum")
     assert momentum.state_dict()["delay_steps"] == 5.0
     older = {k: v for k, v in momentum.state_dict().items()
-             if k not in ("delay_steps", "bounded", "latest_freeze", "gate")}
+             if k not in ("delay_steps", "bounded", "latest_freeze", "gate", "spike_guard", "guard")}
     momentum.load_state_dict(older)  # saved before the settings existed: loads
     with pytest.raises(ValueError, match="bounded"):
         momentum.load_state_dict({**momentum.state_dict(), "bounded": True})
+    with pytest.raises(ValueError, match="spike_guard"):
+        momentum.load_state_dict({**momentum.state_dict(), "spike_guard": False})
     settings = gradient.settings()
     assert math.isclose(dict(settings["optimizer"][0])["eps"], 1e-8)
     assert dict(settings["optimizer"][0])["lr"] == 1e-3

@@ -30,14 +30,12 @@ The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrang
    ``p -= lr * m / (1 - b1^t) / d`` (AdamW: after ``p *= 1 - lr * wd``; Adam: ``wd * p`` joins the
    gradient), advances the step count and clears ``.grad`` so that the optimizer's own step leaves
    the parameter alone.
-4. **Bounded steps** (``bounded=True``; not the recipe's): a parameter's step in update units is
-   scaled back, its direction kept, where its root mean square passes 1, which Adam's stays below while
-   its variance is current (:func:`bounded_step`). It kept the study's shapes CNN from diverging (AdamW
-   top-k, seed 0: a variance frozen on its early plateau turned the later growth of its gradients into
-   steps of hundreds of learning rates; bounded, 0.992 accuracy) but held the language models back
-   (proselm +4.4 % median against +1.5 %, charlm-small +1.9 % against +1.4 %; ``experiments/results/
-   research-adam-bound/``). ``"momentum"``: each rank's step share; ``"gradient"``: the step itself
-   (:func:`~gradcomp.optim.frozen_update.bounded_step`).
+4. **A spike guard** (``spike_guard=True``, the recipe's): a step whose input jumps past its recent
+   history in update units is scaled back to it, as Adam's live variance would absorb the jump
+   (:mod:`gradcomp.optim.spike_guard`; error feedback's first compressed steps make such a jump).
+   **Bounded steps** (``bounded=True``; not the recipe's) scale back a parameter's step whose root mean
+   square in update units passes 1 (:func:`bounded_step`): it kept the shapes CNN from diverging under a
+   variance frozen on its early plateau but held the language models back (``research-adam-bound/``).
 5. **Stepping aside**: while a policy sends every group dense for a while (``Auto``, when a trial
    measured compressed steps no faster), :meth:`~FrozenVarianceAdam.suspend` hands the parameters
    back to the user's Adam, its variance live again and continuous with the frozen one;
@@ -62,7 +60,9 @@ from gradcomp.optim.adam_settings import (
 )
 from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_density
 from gradcomp.optim.freeze_gate import FreezeGate
+from gradcomp.optim.frozen_adam_load import prepare_load
 from gradcomp.optim.frozen_update import bounded_step, frozen_update
+from gradcomp.optim.spike_guard import SpikeGuard
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
@@ -84,6 +84,7 @@ class FrozenVarianceAdam:
         latest_freeze: from ``freeze_step`` on, the freeze waits while a param group's learning rate still
             rises, up to this step (:mod:`gradcomp.optim.freeze_gate`); ``None``: at ``freeze_step``.
         freeze_cost: ``cost(delay) -> str``, what a later freeze costs, for its notice (the recipe's bytes).
+        spike_guard: scale back frozen steps whose input jumps (the module docstring's point 4).
         step_hook: register :meth:`before_optimizer_step` as the optimizer's step pre-hook (DDP);
             in ``optimizer.step(closure)`` it runs after the closure (:mod:`gradcomp.optim.step_hook`).
             An integration whose ``step()`` first averages the gradients (Horovod's optimizer)
@@ -93,7 +94,7 @@ class FrozenVarianceAdam:
     def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], freeze_step: int,
                  exchange: str = "gradient", variance_floor: float = VARIANCE_FLOOR, step_hook: bool = True,
                  delay_steps: float = DELAY_STEPS, bounded: bool = False, latest_freeze: Optional[int] = None,
-                 freeze_cost=None):
+                 freeze_cost=None, spike_guard: bool = True):
         check_optimizer(optimizer, freeze_step, exchange, variance_floor)
         if not float(delay_steps) >= 0:
             raise ValueError(f"delay_steps must be >= 0, got {delay_steps!r}")
@@ -106,6 +107,8 @@ class FrozenVarianceAdam:
                              "parameter DDP averages to be stepped by it")
         self.freeze_step, self.exchange, self.variance_floor = freeze_step, exchange, float(variance_floor)
         self.delay_steps, self.bounded = (float(delay_steps) if exchange == "momentum" else 0.0), bool(bounded)
+        #: Scales back a frozen step whose input jumps (:mod:`gradcomp.optim.spike_guard`); ``None``: off.
+        self.guard: Optional[SpikeGuard] = SpikeGuard() if spike_guard else None
         #: Stepped aside (:meth:`suspend`): the user's Adam runs as it is, its variance live again.
         self.suspended = False
         #: The optimizer step whose variance the denominators freeze (``None``: ``freeze_step``).
@@ -293,13 +296,15 @@ class FrozenVarianceAdam:
         ``grad`` so that the optimizer's own step skips it, until :meth:`after_optimizer_step` puts it back."""
         optimizer = self.optimizer
         self._cleared = []
+        factor = self._guard_factor()
         for index, group in enumerate(optimizer.param_groups):
             params = [p for p in group["params"] if p.grad is not None and self.frozen(p)]
             if not params:
                 continue
             self.gate.watch(index, group, self._steps_done(params[0]) - self._frozen_at())
             states = [optimizer.state[p] for p in params]
-            frozen_update(params, [state["exp_avg"] for state in states], [p.grad for p in params],
+            grads = [p.grad for p in params] if factor is None else torch._foreach_mul([p.grad for p in params], factor)
+            frozen_update(params, [state["exp_avg"] for state in states], grads,
                           [self._denom(p, group) for p in params], [self._steps_done(p) + 1 for p in params],
                           group, decoupled_weight_decay(optimizer, group), self.exchange, self.bounded)
             for param, state in zip(params, states):
@@ -307,6 +312,26 @@ class FrozenVarianceAdam:
                 self._cleared.append((param, param.grad))
                 param.grad = None
         self.gate.record(optimizer)
+
+    def _guard_factor(self) -> Optional[torch.Tensor]:
+        """What this step's frozen updates multiply ``.grad`` by (:class:`SpikeGuard`; ``None`` without it): the
+        guard reads every parameter with a gradient and a step behind it, over its frozen or Adam's live denominator."""
+        if self.guard is None:
+            return None
+        grads, denoms, frozen = [], [], False
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                state = self.optimizer.state.get(param, {})
+                if param.grad is None or not self._steps_done(param):
+                    continue
+                if self.frozen(param):
+                    frozen, denom = True, self._denom(param, group)
+                else:
+                    bias = 1 - group["betas"][1] ** self._steps_done(param)
+                    denom = (state["exp_avg_sq"] / bias).sqrt_().add_(group["eps"])
+                grads.append(param.grad)
+                denoms.append(denom)
+        return self.guard.scale(grads, denoms, frozen)
 
     def after_optimizer_step(self) -> None:
         """Put back the gradients :meth:`before_optimizer_step` cleared (each ``param.grad`` is
@@ -320,7 +345,8 @@ class FrozenVarianceAdam:
     def _recipe(self) -> dict:
         """The settings a checkpoint must have been saved with (the learning rate may change)."""
         return {"freeze_step": self.freeze_step, "exchange": self.exchange, "variance_floor": self.variance_floor,
-                "delay_steps": self.delay_steps, "bounded": self.bounded, "latest_freeze": self.gate.latest}
+                "delay_steps": self.delay_steps, "bounded": self.bounded, "latest_freeze": self.gate.latest,
+                "spike_guard": self.guard is not None}
 
     def settings(self) -> dict:
         """Every setting that changes how a replica moves (the cross-rank check hashes them)."""
@@ -332,7 +358,7 @@ class FrozenVarianceAdam:
         """The settings, whether the stage is suspended and where the variance froze, and with
         ``exchange="momentum"`` this rank's first moments (CPU float32)."""
         state = {**self._recipe(), "suspended": self.suspended, "frozen_at": self.frozen_at,
-                 "gate": self.gate.state_dict()}
+                 "gate": self.gate.state_dict(), "guard": self.guard.state_dict() if self.guard else None}
         if self.exchange == "momentum":
             state["moments"] = {k: v.detach().cpu().clone() for k, v in self.moments.items()}
         return state
@@ -344,42 +370,7 @@ class FrozenVarianceAdam:
     def prepare_load(self, state_dict: dict):
         """Validate :meth:`state_dict`'s output and return the function that assigns it (the engine's
         checkpoint validates every part before it assigns any). Raises ``ValueError``, changing nothing."""
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"expected FrozenVarianceAdam.state_dict(), got {type(state_dict).__name__}")
-        saved = dict(state_dict)
-        moments = saved.pop("moments", {})
-        suspended, frozen_at = saved.pop("suspended", False), saved.pop("frozen_at", None)
-        saved.setdefault("delay_steps", self.delay_steps)  # saved before these settings existed: any run's fits
-        saved.setdefault("bounded", self.bounded)
-        saved.setdefault("latest_freeze", None)
-        gate = saved.pop("gate", {})
-        if not isinstance(suspended, bool) or not (frozen_at is None or (type(frozen_at) is int and frozen_at >= 1)):
-            raise ValueError(f"the checkpoint's FrozenVarianceAdam has suspended={suspended!r}, "
-                             f"frozen_at={frozen_at!r}; expected a bool and None or a step >= 1")
-        if saved != self._recipe():
-            raise ValueError(f"the checkpoint's FrozenVarianceAdam settings {saved} differ from this run's "
-                             f"{self._recipe()}")
-        if not isinstance(gate, dict):
-            raise ValueError(f"the checkpoint's freeze gate is not a dict, got {type(gate).__name__}")
-        assign_gate = self.gate.prepare_load(gate)
-        if not isinstance(moments, dict):
-            raise ValueError("the checkpoint's first moments are not a dict of tensors by parameter name")
-        checked = {}
-        for key, moment in moments.items():
-            param = self.names.get(key)
-            if param is None or not isinstance(moment, torch.Tensor) or moment.numel() != param.numel():
-                raise ValueError(f"the checkpoint's first moment of {key!r} fits no parameter of this model")
-            moment = moment.reshape(-1).to(device=param.device, dtype=torch.float32)
-            if not bool(torch.isfinite(moment).all()):  # in float32: a float64 1e300 is not finite here
-                raise ValueError(f"the checkpoint's first moment of {key!r} is not finite")
-            checked[key] = moment
-
-        def assign() -> None:
-            self.moments, self.suspended, self.frozen_at = checked, suspended, frozen_at
-            assign_gate()
-            self._pending.clear()
-
-        return assign
+        return prepare_load(self, state_dict)
 
     def reset(self) -> None:
         """Forget this rank's first moments (a checkpoint of another rank): the next compressed step

@@ -1,0 +1,51 @@
+"""Loading :class:`~gradcomp.optim.FrozenVarianceAdam`'s state: every part validated before any is assigned."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["prepare_load"]
+
+
+def prepare_load(stage, state_dict: dict):
+    """Validate ``stage.state_dict()``'s output for ``stage`` (a ``FrozenVarianceAdam``) and return the function
+    that assigns it (mutating ``stage``: its moments, suspension, freeze step, gate and guard). Raises
+    ``ValueError``, changing nothing."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"expected FrozenVarianceAdam.state_dict(), got {type(state_dict).__name__}")
+    saved = dict(state_dict)
+    moments = saved.pop("moments", {})
+    suspended, frozen_at = saved.pop("suspended", False), saved.pop("frozen_at", None)
+    saved.setdefault("delay_steps", stage.delay_steps)  # saved before these settings existed: any run's fits
+    saved.setdefault("bounded", stage.bounded)
+    saved.setdefault("latest_freeze", None)
+    saved.setdefault("spike_guard", stage.guard is not None)
+    gate, guard = saved.pop("gate", {}), saved.pop("guard", None)
+    if not isinstance(suspended, bool) or not (frozen_at is None or (type(frozen_at) is int and frozen_at >= 1)):
+        raise ValueError(f"the checkpoint's FrozenVarianceAdam has suspended={suspended!r}, "
+                         f"frozen_at={frozen_at!r}; expected a bool and None or a step >= 1")
+    if saved != stage._recipe():
+        raise ValueError(f"the checkpoint's FrozenVarianceAdam settings {saved} differ from this run's "
+                         f"{stage._recipe()}")
+    if not isinstance(gate, dict):
+        raise ValueError(f"the checkpoint's freeze gate is not a dict, got {type(gate).__name__}")
+    assign_gate = stage.gate.prepare_load(gate)
+    assign_guard = stage.guard.prepare_load(guard) if stage.guard and guard is not None else (lambda: None)
+    if not isinstance(moments, dict):
+        raise ValueError("the checkpoint's first moments are not a dict of tensors by parameter name")
+    checked = {}
+    for key, moment in moments.items():
+        param = stage.names.get(key)
+        if param is None or not isinstance(moment, torch.Tensor) or moment.numel() != param.numel():
+            raise ValueError(f"the checkpoint's first moment of {key!r} fits no parameter of this model")
+        moment = moment.reshape(-1).to(device=param.device, dtype=torch.float32)
+        if not bool(torch.isfinite(moment).all()):  # in float32: a float64 1e300 is not finite here
+            raise ValueError(f"the checkpoint's first moment of {key!r} is not finite")
+        checked[key] = moment
+
+    def assign() -> None:
+        stage.moments, stage.suspended, stage.frozen_at = checked, suspended, frozen_at
+        assign_gate()
+        assign_guard()
+        stage._pending.clear()
+
+    return assign
