@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gradcomp.optim import FrozenVarianceAdam
-from gradcomp.optim.spike_guard import SpikeGuard
+from gradcomp.optim.spike_guard import SpikeGuard, scaled
 
 
 def feed(guard, values, frozen=True):
@@ -106,3 +106,12 @@ def test_a_spike_in_the_dense_start_is_left_to_adam():
     _, guarded, _ = run(True, spike_at=8, steps=9)
     _, plain, _ = run(False, spike_at=8, steps=9)
     assert guarded == plain
+
+
+def test_scaled_copies_only_where_the_factor_is_not_one():
+    grads = [torch.ones(3), torch.full((2,), 2.0)]
+    assert scaled(grads, None) is grads
+    assert scaled(grads, torch.tensor(1.0)) is grads
+    halved = scaled(grads, torch.tensor(0.5))
+    assert [h.tolist() for h in halved] == [[0.5] * 3, [1.0] * 2]
+    assert [g.tolist() for g in grads] == [[1.0] * 3, [2.0] * 2]  # the loop's .grad is not mutated

@@ -62,7 +62,7 @@ from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, de
 from gradcomp.optim.freeze_gate import FreezeGate
 from gradcomp.optim.frozen_adam_load import prepare_load
 from gradcomp.optim.frozen_update import bounded_step, frozen_update
-from gradcomp.optim.spike_guard import SpikeGuard
+from gradcomp.optim.spike_guard import SpikeGuard, scaled
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
@@ -303,7 +303,7 @@ class FrozenVarianceAdam:
                 continue
             self.gate.watch(index, group, self._steps_done(params[0]) - self._frozen_at())
             states = [optimizer.state[p] for p in params]
-            grads = [p.grad for p in params] if factor is None else torch._foreach_mul([p.grad for p in params], factor)
+            grads = scaled([p.grad for p in params], factor)
             frozen_update(params, [state["exp_avg"] for state in states], grads,
                           [self._denom(p, group) for p in params], [self._steps_done(p) + 1 for p in params],
                           group, decoupled_weight_decay(optimizer, group), self.exchange, self.bounded)

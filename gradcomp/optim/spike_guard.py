@@ -18,11 +18,11 @@ units instead of the gradient's norm. The user's ``.grad`` is left as it is (the
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Optional
 
 import torch
 
-__all__ = ["SpikeGuard", "SPIKE_ALPHA", "SPIKE_Z", "SPIKE_SKIP"]
+__all__ = ["SpikeGuard", "SPIKE_ALPHA", "SPIKE_Z", "SPIKE_SKIP", "scaled"]
 
 #: The smoothing of the averages (ZClip's default).
 SPIKE_ALPHA = 0.97
@@ -109,3 +109,12 @@ class SpikeGuard:
 
     def __repr__(self) -> str:
         return f"SpikeGuard(alpha={self.alpha}, z={self.z}, skip={self.skip}, warmup={self.warmup})"
+
+
+def scaled(grads: List[torch.Tensor], factor: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    """``grads`` times ``factor`` (new tensors; ``grads`` are not mutated), or ``grads`` themselves where ``factor``
+    is ``None`` or a CPU 1.0: on the host that test is free and the copy is not; on a device the product runs
+    (no host sync)."""
+    if factor is None or (factor.device.type == "cpu" and float(factor) == 1.0):
+        return grads
+    return torch._foreach_mul(grads, factor)
