@@ -4,9 +4,9 @@ Adam bounds its own step where the gradient jumps: the jump enters its second mo
 (``v += (1 - b2) g^2``), so one coordinate moves at most about ``lr / sqrt(1 - b2)``. A frozen variance
 passes the jump through whole. Error feedback makes one at the freeze: the first compressed steps send
 what the residuals gathered (the GPT loop without its clip, AdamW, 2-bit, seed 0: the averaged gradient's
-root mean square in update units went from 0.8-1.1 over the dense start's last steps to 2.1 and 3.1 at
-the first two compressed steps and 3.4-7.0 ten steps later; held-out loss 3.10 at step 39 where dense's was
-2.86, the run 1.6 % behind the same run with a clip at 1.0 at its end; ``experiments/results/research-spike-guard/``).
+root mean square in update units went from 0.5-1.3 over the dense start's last steps to 2.1 and 3.1 at
+the steps after the freeze and 3.4-7.0 ten steps later; held-out loss 3.10 at step 39 where dense's was
+2.86; the run ended 1.5746, 1.5533 with the guard; ``experiments/results/research-spike-guard/``).
 
 :class:`SpikeGuard` follows ``r = rms(g / d)`` over the stage's parameters at every optimizer step (one
 number, the same on every rank: ``g`` is the average, ``d`` the frozen denominators, before the freeze
