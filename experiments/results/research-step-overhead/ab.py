@@ -1,0 +1,87 @@
+"""Interleaved step times of several replicas of one workload (2 ranks on the unshaped loopback, one thread each), each
+after 45 untimed steps (past the recipes' dense start and ramp); prints each method's median step and its median
+paired ratio to the first method's. Not a quiet benchmark: a diagnosis of where a step's time goes.
+
+Usage, from the repository root: ``PYTHONPATH=. python experiments/results/research-step-overhead/ab.py WORKLOAD
+OPTIMIZER STEPS METHOD...``; a METHOD is one of ``experiments.step_times``'s (``dense``, ``fp16``, ``topk``, ...),
+or ``gc-SPEC``: ``gradcomp.hooks.ddp.register(model, SPEC)`` alone, without an optimizer stage.
+Add ``--profile FILE`` to write rank 0's cProfile of the timed steps of the first method.
+"""
+import os
+import statistics
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
+
+def make(method, net, loop, workload_name):
+    """``(ddp model, optimizer, scheduler, gradcomp state or None)`` of ``method`` on a copy of ``net``."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from experiments import loop as loops
+    from experiments import step_times, suite
+
+    if not method.startswith("gc-"):
+        return step_times._replica(method, net, loop, suite.STEPS[workload_name])
+    from gradcomp.hooks import ddp as gradcomp_ddp
+
+    model = copy.deepcopy(net)
+    ddp = DistributedDataParallel(model)
+    optimizer, scheduler = loops.build_optimizer(loop, model)
+    return ddp, optimizer, scheduler, gradcomp_ddp.register(ddp, method[3:])
+
+
+def rank_main(rank, argv):
+    import cProfile
+    import warnings
+
+    import torch.distributed as dist
+
+    from experiments import launch, step_times, suite
+    from experiments import loop as loops
+
+    warnings.filterwarnings("ignore")
+    profile = argv.pop(argv.index("--profile") + 1) if "--profile" in argv else None
+    argv = [a for a in argv if a != "--profile"]
+    launch.init_rank(rank, 2, threads=1, timeout=600, cuda=False)
+    name, optimizer, steps, *methods = argv
+    workload = suite.build(name, 0, 32)
+    loop = loops.loop_for(name, optimizer, step_times.PLANNED_STEPS)
+    net = workload.build_model()
+    replicas = {m: make(m, net, loop, name) for m in methods}
+    for m in methods:
+        for i in range(step_times.PLANNED_STEPS + 5):
+            step_times._step(replicas[m], workload, loop, rank, i)
+    seconds = {m: [] for m in methods}
+    profiler = cProfile.Profile() if profile and rank == 0 else None
+    for i in range(int(steps)):
+        for j in range(len(methods)):
+            m = methods[(i + j) % len(methods)]
+            if profiler and m == methods[0]:
+                profiler.enable()
+            seconds[m].append(step_times._step(replicas[m], workload, loop, rank, 100 + i))
+            if profiler and m == methods[0]:
+                profiler.disable()
+    if rank == 0:
+        for m in methods:
+            ratios = [a / b for a, b in zip(seconds[m], seconds[methods[0]])]
+            median = statistics.median(seconds[m]) * 1000
+            print(f"{m:>16} {median:8.2f} ms  x{methods[0]} {statistics.median(ratios):.3f}")
+        if profiler:
+            profiler.dump_stats(profile)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    from experiments import launch
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(launch.free_port())
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(rank_main, args=(sys.argv[1:],), nprocs=2)
