@@ -269,3 +269,32 @@ def test_compact_topk_rejects_forged_counts_and_indices(forge):
         validate_payload(compressor, payload, n, rank=1)
     with pytest.raises(ValueError):
         compressor.decompress_add(payload, torch.zeros(n), backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_compact_topk_fused_forms_are_the_entrywise_ones_bitwise(backend):
+    """A whole group's compact payload goes through a one-part CompactParts (the per-parameter groups' fused
+    encode, check and decode): bitwise what compact_encode and the top-k decode kernel give entry by entry."""
+    from gradcomp.backends import kernel
+    from gradcomp.compressors.topk import compact_encode
+
+    torch.manual_seed(3)
+    n = 140_003
+    compressor = gradcomp.TopK(0.01, entries="compact")
+    grad, residual = torch.randn(n), torch.randn(n) / 8
+    fused_residual, entrywise_residual = torch.zeros(n), torch.zeros(n)
+    payload = compressor.compress(grad, residual, fused_residual, backend=backend)
+    k = compressor.k(n)
+    values, indices = torch.empty(k), torch.empty(k, dtype=torch.int32)
+    kernel("topk_compress", grad.device, backend)(grad, residual, entrywise_residual, values, indices)
+    entrywise = compressor.layout(n, torch.float32).allocate(grad.device)
+    compact_encode(values, indices, entrywise, entrywise_residual, compressor.CHUNK)
+    assert torch.equal(payload.buffer, entrywise.buffer)
+    assert torch.equal(fused_residual, entrywise_residual)
+    start = torch.randn(n)
+    decoded, checked, by_kernel = start.clone(), start.clone(), start.clone()
+    compressor.decompress_add(payload, decoded, backend=backend)
+    compressor.add_checked(payload, compressor.check_payload(payload, n), checked)
+    kernel("topk_decompress_add", grad.device, backend)(payload["values"], compressor.sent_indices(payload), by_kernel)
+    assert torch.equal(decoded, by_kernel) and torch.equal(checked, by_kernel)
+    assert not torch.equal(by_kernel, start)

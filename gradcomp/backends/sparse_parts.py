@@ -97,6 +97,21 @@ class CompactParts(NamedTuple):
     #: Elements per chunk: :attr:`gradcomp.compressors.TopK.CHUNK` (kept here too: backends import no compressor).
     CHUNK = 1 << 16
 
+    @classmethod
+    def of(cls, parts) -> "CompactParts":
+        """The plan (CPU) of ``parts``: per compressed part, in the group's order, ``(k, the bfloat16 slot of its
+        first value, the int16 slot of its first local, its first element in the group, its element count, the
+        int32 word of its first count)``; a part of ``numel`` elements has ``ceil(numel / CHUNK)`` counts."""
+        rows, chunks, first = [], [], 0
+        for number, (k, values, local, offset, numel, counts) in enumerate(parts):
+            rows.append((k, values, local, offset, first))
+            spans = (numel + cls.CHUNK - 1) // cls.CHUNK
+            chunks += [(counts + c, number, offset + c * cls.CHUNK, min(cls.CHUNK, numel - c * cls.CHUNK))
+                       for c in range(spans)]
+            first += spans
+        columns = [[row[i] for row in rows] for i in range(5)] + [[chunk[i] for chunk in chunks] for i in range(4)]
+        return cls(*(torch.tensor(column, dtype=torch.int64) for column in columns))
+
     def to(self, device) -> "CompactParts":
         return CompactParts(*(column.to(device) for column in self))
 

@@ -130,16 +130,8 @@ class PerParameter(Compressor):
     @staticmethod
     def _compact_plan(kept) -> CompactParts:
         """The :class:`CompactParts` of the compressed parts ``kept`` (``(part, byte offset, segments by name)``)."""
-        rows, chunks, first = [], [], 0
-        for number, (part, at, own) in enumerate(kept):
-            counts = own["counts"]
-            rows.append((own["values"].numel, (at + own["values"].offset) // 2, (at + own["local"].offset) // 2,
-                         part.offset, first))
-            for c in range(counts.numel):
-                chunks.append(((at + counts.offset) // 4 + c, number, part.offset + c * CompactParts.CHUNK,
-                               min(CompactParts.CHUNK, part.numel - c * CompactParts.CHUNK)))
-            first += counts.numel
-        return CompactParts(*(torch.tensor(column) for column in (*zip(*rows), *zip(*chunks))))
+        return CompactParts.of([(own["values"].numel, (at + own["values"].offset) // 2, (at + own["local"].offset) // 2,
+                                 part.offset, part.numel, (at + own["counts"].offset) // 4) for part, at, own in kept])
 
     def _dense_plan(self, placed, dtype: torch.dtype) -> Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
         """:attr:`_Plan.dense` of the parts ``placed`` (each a dense part's values at its start)."""

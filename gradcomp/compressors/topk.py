@@ -8,7 +8,7 @@ import torch
 
 from gradcomp.backends import kernel
 from gradcomp.backends.checks import topk_index_problem
-from gradcomp.backends.sparse_parts import signed16
+from gradcomp.backends.sparse_parts import CompactParts, signed16
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.registry import spec_name
 from gradcomp.payload import Payload, PayloadLayout
@@ -50,6 +50,10 @@ class TopK(Compressor):
             raise ValueError(f"TopK(entries={entries!r}): an entry is written 'wide' or 'compact'")
         #: ``"wide"`` or ``"compact"``.
         self.entries = entries
+        # Per (numel, dtype): the layout; per (numel, device): a compact payload's CompactParts. Asked at every
+        # compress, check and decode, and a few Python objects each: built once (a layout is a function of these).
+        self._layouts: dict = {}
+        self._plans: dict = {}
 
     @property
     def compact(self) -> bool:
@@ -78,12 +82,36 @@ class TopK(Compressor):
         return torch.int64 if numel >= 2**31 else torch.int32
 
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:
+        held = self._layouts.get((numel, dtype))
+        if held is not None:
+            return held
         k = self.k(numel)
         if self.compact:
             chunks = (numel + self.CHUNK - 1) // self.CHUNK
-            return PayloadLayout((("counts", torch.int32, chunks), ("values", torch.bfloat16, k),
-                                  ("local", torch.int16, k)))
-        return PayloadLayout((("values", dtype, k), ("indices", self.index_dtype(numel), k)))
+            layout = PayloadLayout((("counts", torch.int32, chunks), ("values", torch.bfloat16, k),
+                                    ("local", torch.int16, k)))
+        else:
+            layout = PayloadLayout((("values", dtype, k), ("indices", self.index_dtype(numel), k)))
+        if len(self._layouts) >= 64:  # a ramp asks a few sizes per group; bounded anyway
+            self._layouts.clear()
+        self._layouts[(numel, dtype)] = layout
+        return layout
+
+    def _compact_parts(self, numel: int, device) -> Optional[CompactParts]:
+        """The :class:`~gradcomp.backends.sparse_parts.CompactParts` of a compact payload of ``[numel]`` (one part:
+        its check, decode and encoding are then the per-parameter groups' fused ones), on ``device``; ``None``
+        where those forms do not apply (wide entries, an empty tensor, int64 positions)."""
+        if not self.compact or not 0 < numel < 2**31:
+            return None
+        key = (numel, str(device))
+        plan = self._plans.get(key)
+        if plan is None:
+            at = {s.name: s.offset for s in self.layout(numel, torch.float32).segments}
+            plan = CompactParts.of([(self.k(numel), at["values"] // 2, at["local"] // 2, 0, numel, at["counts"] // 4)])
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            plan = self._plans[key] = plan.to(device)
+        return plan
 
     def compress(self, tensor, residual=None, residual_out=None, backend: Optional[str] = None) -> Payload:
         check_gradient(tensor)
@@ -96,17 +124,36 @@ class TopK(Compressor):
         values = torch.empty(k, dtype=tensor.dtype, device=tensor.device)
         indices = torch.empty(k, dtype=self.index_dtype(tensor.numel()), device=tensor.device)
         op(tensor, residual, residual_out, values, indices)
-        compact_encode(values, indices, payload, residual_out, self.CHUNK)
+        plan = self._compact_parts(tensor.numel(), tensor.device)
+        if plan is None:
+            compact_encode(values, indices, payload, residual_out, self.CHUNK)
+        else:  # bitwise compact_encode (tests/test_sparse_parts.py), in one pass where the backend has it
+            plan.encode(values, indices, payload.buffer, residual_out, backend)
         return payload
 
-    def check_payload(self, payload: Payload, numel: int) -> None:
+    def check_payload(self, payload: Payload, numel: int):
         """Raise ``ValueError`` unless the layout fits ``[numel]`` and the indices lie in
         ``[0, numel)`` strictly increasing (so no duplicates); compact: the chunks' counts add up
-        to ``k`` first. O(k), one or two host syncs."""
-        check_layout(self, payload, numel)
+        to ``k`` first. O(k), one or two host syncs. Returns a compact payload's entries (positions int64
+        ``[k]``, values bfloat16 ``[k]``) for :meth:`add_checked`, else ``None``."""
+        dtype = check_layout(self, payload, numel)
+        plan = self._compact_parts(numel, payload.buffer.device)
+        if plan is not None:
+            entries = plan.entries(payload.buffer, dtype)
+            if entries is not None:
+                return entries
         problem = topk_index_problem(self.sent_indices(payload), numel)
         if problem is not None:
             raise ValueError(problem)
+        if plan is not None:
+            raise AssertionError(f"{self!r}: the fused check rejected a payload the entry-wise check accepts")
+        return None
+
+    def add_checked(self, payload: Payload, checked, out: torch.Tensor, backend: Optional[str] = None) -> None:
+        """``out += `` the entries :meth:`check_payload` returned (distinct positions: as the kernels,
+        ``out[i] + value``); ``out`` float32 ``[n]`` is mutated."""
+        positions, values = checked
+        out.index_add_(0, positions, values.float())
 
     def sent_indices(self, payload: Payload) -> torch.Tensor:
         """The indices a payload sends: ``indices``, or a compact payload's decoded (int64; raises
@@ -116,7 +163,12 @@ class TopK(Compressor):
         return compact_indices(payload["counts"], payload["local"], self.CHUNK)
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
-        kernel("topk_decompress_add", out.device, backend)(payload["values"], self.sent_indices(payload), out)
+        plan = self._compact_parts(out.numel(), out.device)
+        entries = None if plan is None else plan.entries(payload.buffer, torch.float32)
+        if entries is not None:
+            self.add_checked(payload, entries, out, backend)
+        else:  # wide entries, or a payload the fused check rejects: the kernel checks them and names the fault
+            kernel("topk_decompress_add", out.device, backend)(payload["values"], self.sent_indices(payload), out)
 
     def __repr__(self) -> str:
         entries = ", entries='compact'" if self.compact else ""
