@@ -298,3 +298,22 @@ def test_compact_topk_fused_forms_are_the_entrywise_ones_bitwise(backend):
     kernel("topk_decompress_add", grad.device, backend)(payload["values"], compressor.sent_indices(payload), by_kernel)
     assert torch.equal(decoded, by_kernel) and torch.equal(checked, by_kernel)
     assert not torch.equal(by_kernel, start)
+
+
+@pytest.mark.parametrize("entries", ["wide", "compact"])
+def test_topk_copied_with_another_density_lays_out_its_own_entries(entries):
+    """A schedule copies a TopK (copy.copy) and sets another density: the copy's layout and compact plan are
+    its own, not the ones the original built and keeps (they share the dicts that hold them)."""
+    import copy
+
+    n, grad = 70_000, torch.randn(70_000)
+    first = gradcomp.TopK(0.25, entries=entries)
+    first.check_payload(first.compress(grad), n)
+    second = copy.copy(first)
+    second.density = 0.01
+    assert second.layout(n, torch.float32) == gradcomp.TopK(0.01, entries=entries).layout(n, torch.float32)
+    payload, out = second.compress(grad), torch.zeros(n)
+    second.check_payload(payload, n)
+    second.decompress_add(payload, out)
+    assert int((out != 0).sum()) == second.k(n)
+    assert first.layout(n, torch.float32).nbytes > 10 * payload.layout.nbytes

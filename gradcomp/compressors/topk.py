@@ -50,8 +50,9 @@ class TopK(Compressor):
             raise ValueError(f"TopK(entries={entries!r}): an entry is written 'wide' or 'compact'")
         #: ``"wide"`` or ``"compact"``.
         self.entries = entries
-        # Per (numel, dtype): the layout; per (numel, device): a compact payload's CompactParts. Asked at every
-        # compress, check and decode, and a few Python objects each: built once (a layout is a function of these).
+        # The layouts and a compact payload's CompactParts, asked at every compress, check and decode and a few
+        # Python objects each, are built once. Keyed by the settings too: a schedule's copy.copy shares these
+        # dicts and sets another density.
         self._layouts: dict = {}
         self._plans: dict = {}
 
@@ -82,7 +83,8 @@ class TopK(Compressor):
         return torch.int64 if numel >= 2**31 else torch.int32
 
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:
-        held = self._layouts.get((numel, dtype))
+        key = (numel, dtype, self.density, self.entries)
+        held = self._layouts.get(key)
         if held is not None:
             return held
         k = self.k(numel)
@@ -94,7 +96,7 @@ class TopK(Compressor):
             layout = PayloadLayout((("values", dtype, k), ("indices", self.index_dtype(numel), k)))
         if len(self._layouts) >= 64:  # a ramp asks a few sizes per group; bounded anyway
             self._layouts.clear()
-        self._layouts[(numel, dtype)] = layout
+        self._layouts[key] = layout
         return layout
 
     def _compact_parts(self, numel: int, device) -> Optional[CompactParts]:
@@ -103,7 +105,7 @@ class TopK(Compressor):
         where those forms do not apply (wide entries, an empty tensor, int64 positions)."""
         if not self.compact or not 0 < numel < 2**31:
             return None
-        key = (numel, str(device))
+        key = (numel, str(device), self.density)
         plan = self._plans.get(key)
         if plan is None:
             at = {s.name: s.offset for s in self.layout(numel, torch.float32).segments}
