@@ -23,7 +23,17 @@ from experiments import simrun  # noqa: E402
 from experiments.convergence import RunSpec  # noqa: E402
 from experiments.suite import STEPS  # noqa: E402
 
-__all__ = ["run_prefix", "with_density", "recorded_engines", "topk_by_score"]
+__all__ = ["run_prefix", "run_whole", "with_density", "recorded_engines", "topk_by_score"]
+
+
+def run_whole(log: str, workload: str, method: str, seed: int = 0, optimizer: str = "adamw") -> None:
+    """The study's whole run of ``workload``/``optimizer``/``method`` (``seed``, its length, its evaluations),
+    logged to ``log``, on one thread as the study's."""
+    from experiments.convergence import EVALS
+
+    torch.set_num_threads(1)
+    steps = STEPS[workload]
+    simrun.run(RunSpec(workload, optimizer, method, seed, steps, max(1, steps // EVALS)), log)
 
 
 def run_prefix(stop: int, log: str, workload: str, optimizer: str, method: str, seed: int = 0) -> None:

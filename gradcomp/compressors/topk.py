@@ -129,7 +129,7 @@ class TopK(Compressor):
         plan = self._compact_parts(tensor.numel(), tensor.device)
         if plan is None:
             compact_encode(values, indices, payload, residual_out, self.CHUNK)
-        else:  # bitwise compact_encode (tests/test_sparse_parts.py), in one pass where the backend has it
+        else:  # bitwise compact_encode (tests/test_compressors.py), in one pass where the backend has it
             plan.encode(values, indices, payload.buffer, residual_out, backend)
         return payload
 

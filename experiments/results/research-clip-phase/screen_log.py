@@ -12,8 +12,7 @@ import sys
 
 import torch
 
-from experiments import screening, simrun  # noqa: F401  (one thread for every pool, before numba loads)
-from experiments.convergence import RunSpec
+from experiments import screening  # one thread for every pool, before numba loads
 from gradcomp.optim import frozen_adam
 
 PHASE, SCALE = sys.argv[4], float(sys.argv[5])
@@ -50,11 +49,6 @@ def rows():
 if __name__ == "__main__":
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     frozen_adam.frozen_update = frozen_update
-    torch.set_num_threads(1)
-    seed = int(sys.argv[6]) if len(sys.argv) > 6 else 0
-    from experiments import convergence as cv
-    from experiments import suite
-    steps = suite.STEPS[sys.argv[2]]
-    simrun.run(RunSpec(sys.argv[2], "adamw", sys.argv[3], seed, steps, max(1, steps // cv.EVALS)), sys.argv[1])
+    screening.run_whole(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[6]) if len(sys.argv) > 6 else 0)
     with open(sys.argv[1] + ".frozen", "w") as out:
         out.writelines(json.dumps(row) + "\n" for row in rows())

@@ -14,8 +14,7 @@ import sys
 
 import torch
 
-from experiments import screening, simrun  # noqa: F401  (one thread for every pool, before numba loads)
-from experiments.convergence import RunSpec
+from experiments import screening  # one thread for every pool, before numba loads
 from gradcomp.optim import frozen_adam
 
 POWER = float(sys.argv[4])
@@ -38,10 +37,5 @@ def frozen_update(params, exp_avgs, grads, denoms, steps, group, decoupled, exch
 
 if __name__ == "__main__":
     frozen_adam.frozen_update = frozen_update
-    torch.set_num_threads(1)
-    seed = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-    opt = sys.argv[6] if len(sys.argv) > 6 else "adamw"
-    from experiments import convergence as cv
-    from experiments import suite
-    steps = suite.STEPS[sys.argv[2]]
-    simrun.run(RunSpec(sys.argv[2], opt, sys.argv[3], seed, steps, max(1, steps // cv.EVALS)), sys.argv[1])
+    screening.run_whole(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[5]) if len(sys.argv) > 5 else 0,
+                        sys.argv[6] if len(sys.argv) > 6 else "adamw")
