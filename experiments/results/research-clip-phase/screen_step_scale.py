@@ -7,8 +7,6 @@ PYTHONPATH=. python experiments/results/research-clip-phase/screen_step_scale.py
 """
 import sys
 
-import torch
-
 from experiments import screening  # one thread for every pool, before numba loads
 from gradcomp.optim import frozen_adam
 

@@ -12,8 +12,6 @@ PYTHONPATH=. python experiments/results/research-live-scale/screen_scale.py LOG 
 """
 import sys
 
-import torch
-
 from experiments import screening  # one thread for every pool, before numba loads
 from gradcomp.optim import frozen_adam
 

@@ -12,10 +12,10 @@ PYTHONPATH=. python experiments/results/research-noise-shrink/screen_oracle.py L
 """
 import sys
 
-import torch
-
-from experiments import screening  # one thread for every pool, before numba loads
-from experiments import simulate
+from experiments import (
+    screening,  # one thread for every pool, before numba loads
+    simulate,
+)
 from gradcomp.optim import frozen_adam
 
 TRUE = {}  # bucket index -> sum of the ranks' flat gradients this step
