@@ -317,3 +317,14 @@ def test_topk_copied_with_another_density_lays_out_its_own_entries(entries):
     second.decompress_add(payload, out)
     assert int((out != 0).sum()) == second.k(n)
     assert first.layout(n, torch.float32).nbytes > 10 * payload.layout.nbytes
+
+
+def test_compact_topk_decode_refuses_a_payload_laid_out_for_another_size():
+    """The fused decode reads the buffer at the offsets of ``out``'s size: a payload of another size is refused
+    before any byte is read, as the entry-wise kernel's checks refused it."""
+    compressor = gradcomp.TopK(0.01, entries="compact")
+    payload = compressor.compress(torch.randn(70_000))  # shorter than a [140_000] payload: the plan would read past it
+    out = torch.zeros(140_000)
+    with pytest.raises(ValueError):
+        compressor.decompress_add(payload, out)
+    assert not out.any()

@@ -166,6 +166,8 @@ class TopK(Compressor):
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         plan = self._compact_parts(out.numel(), out.device)
+        if plan is not None:  # the plan reads the buffer at [n]'s offsets: the layout must be [n]'s
+            check_layout(self, payload, out.numel())
         entries = None if plan is None else plan.entries(payload.buffer, torch.float32)
         if entries is not None:
             self.add_checked(payload, entries, out, backend)
