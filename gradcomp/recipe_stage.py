@@ -30,8 +30,10 @@ def optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list,
                                    latest_freeze=latest, freeze_cost=freeze_cost)
         shortened = f", its beta1 shortened by {stage.delay_steps:g} steps' delay" if stage.delay_steps else ""
         later = f", later while the learning rate rises, up to step {latest}" if latest is not None else ""
+        level = ", each param group's step level live" if stage.level is not None else ""
         return stage, (f"frozen-variance {type(optimizer).__name__} (freeze at step {dense_steps}{later}, each rank's "
-                       f"{'first moment' if exchange == 'momentum' else 'gradient'} sent in update units{shortened})")
+                       f"{'first moment' if exchange == 'momentum' else 'gradient'} sent in update units{shortened}"
+                       f"{level})")
     if isinstance(optimizer, torch.optim.SGD):
         momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
         if momentum and compressor.sparsifies and not sharded:

@@ -174,17 +174,21 @@ def test_state_dict_holds_settings_and_moments_only():
     assert gradient.state_dict() == {"freeze_step": 10, "exchange": "gradient", "variance_floor": 0.1,
                                      "delay_steps": 0.0, "bounded": False, "suspended": False, "frozen_at": None,
                                      "latest_freeze": None, "gate": {"opened": 10, "lr_seen": None, "rising": False},
-                                     "spike_guard": True,
+                                     "spike_guard": True, "live_level": True, "level": {},
                                      "guard": {"calls": 0, "observed": 0, "mean": None, "var": None}}
     momentum = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10, exchange="momentum")
     assert momentum.state_dict()["delay_steps"] == 5.0
     older = {k: v for k, v in momentum.state_dict().items()
-             if k not in ("delay_steps", "bounded", "latest_freeze", "gate", "spike_guard", "guard")}
+             if k not in ("delay_steps", "bounded", "latest_freeze", "gate", "spike_guard", "guard", "live_level",
+                          "level")}
     momentum.load_state_dict(older)  # saved before the settings existed: loads
     with pytest.raises(ValueError, match="bounded"):
         momentum.load_state_dict({**momentum.state_dict(), "bounded": True})
     with pytest.raises(ValueError, match="spike_guard"):
         momentum.load_state_dict({**momentum.state_dict(), "spike_guard": False})
+    assert momentum.state_dict()["live_level"] is False  # the momentum exchange's default
+    with pytest.raises(ValueError, match="live_level"):
+        momentum.load_state_dict({**momentum.state_dict(), "live_level": True})
     settings = gradient.settings()
     assert math.isclose(dict(settings["optimizer"][0])["eps"], 1e-8)
     assert dict(settings["optimizer"][0])["lr"] == 1e-3
@@ -235,15 +239,19 @@ def test_a_suspended_stage_is_the_users_adam_continuing_the_frozen_variance(exch
     frozen = [optimizer.state[p]["frozen_denom"].clone() for p in net.parameters()]
     torch.testing.assert_close(frozen, frozen_denominators(optimizer, net, 10))
     stage.moments = {"0.weight": torch.zeros(60)}
+    # the live level (the gradient exchange's) carries over: Adam's variance goes on from the frozen one times it
+    ratio = stage.level.ratio(0) if exchange == "gradient" else 1.0
+    assert (ratio != 1.0) == (exchange == "gradient") and (stage.level is None) == (exchange == "momentum")
     stage.suspend()
     assert stage.suspended and stage.moments == {} and stage.state_dict()["suspended"] is True
     beta2 = 0.999
     for p, before in zip(net.parameters(), frozen):
         state = optimizer.state[p]
         assert "frozen_denom" not in state and not stage.frozen(p)
-        # Adam's bias-corrected variance at step 15 is the one frozen at step 10.
+        # Adam's bias-corrected variance at step 15 is the one frozen at step 10 (times the level).
         sqrt_v = (state["exp_avg_sq"] / (1 - beta2**15)).sqrt()
-        torch.testing.assert_close(sqrt_v.clamp(min=float(sqrt_v.mean()) * 0.1) + 1e-8, before)
+        torch.testing.assert_close(sqrt_v.clamp(min=float(sqrt_v.mean()) * 0.1) + 1e-8,
+                                   (before - 1e-8) * math.sqrt(ratio) + 1e-8)
     # From here on the stage does nothing: the same steps as a plain AdamW from the same state.
     twin = copy.deepcopy(net)
     twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)

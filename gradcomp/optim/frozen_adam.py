@@ -33,6 +33,9 @@ The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrang
 4. **A spike guard** (``spike_guard=True``, the recipe's): a step whose input jumps past its recent
    history in update units is scaled back to it, as Adam's live variance would absorb the jump
    (:mod:`gradcomp.optim.spike_guard`; error feedback's first compressed steps make such a jump).
+   **A live level** (``live_level``; the default with ``exchange="gradient"``): each param group's frozen steps
+   follow its gradients' mean square as Adam's live variance would, the per-coordinate shape staying frozen
+   (:mod:`gradcomp.optim.live_level`; a variance frozen on the dense start's large early gradients under-steps).
    **Bounded steps** (``bounded=True``; not the recipe's) scale back a parameter's step whose root mean
    square in update units passes 1 (:func:`bounded_step`): it kept the shapes CNN from diverging under a
    variance frozen on its early plateau but held the language models back (``research-adam-bound/``).
@@ -60,8 +63,9 @@ from gradcomp.optim.adam_settings import (
 )
 from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_density
 from gradcomp.optim.freeze_gate import FreezeGate
-from gradcomp.optim.frozen_adam_load import prepare_load
+from gradcomp.optim.frozen_adam_load import prepare_load, state_dict
 from gradcomp.optim.frozen_update import bounded_step, frozen_update
+from gradcomp.optim.live_level import LiveLevel
 from gradcomp.optim.spike_guard import SpikeGuard, scaled
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
@@ -85,6 +89,8 @@ class FrozenVarianceAdam:
             rises, up to this step (:mod:`gradcomp.optim.freeze_gate`); ``None``: at ``freeze_step``.
         freeze_cost: ``cost(delay) -> str``, what a later freeze costs, for its notice (the recipe's bytes).
         spike_guard: scale back frozen steps whose input jumps (the module docstring's point 4).
+        live_level: one level per param group following its gradients (the module docstring's point 4);
+            ``None``: with ``exchange="gradient"`` (the averaged gradient's level), not with ``"momentum"``.
         step_hook: register :meth:`before_optimizer_step` as the optimizer's step pre-hook (DDP);
             in ``optimizer.step(closure)`` it runs after the closure (:mod:`gradcomp.optim.step_hook`).
             An integration whose ``step()`` first averages the gradients (Horovod's optimizer)
@@ -94,7 +100,7 @@ class FrozenVarianceAdam:
     def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], freeze_step: int,
                  exchange: str = "gradient", variance_floor: float = VARIANCE_FLOOR, step_hook: bool = True,
                  delay_steps: float = DELAY_STEPS, bounded: bool = False, latest_freeze: Optional[int] = None,
-                 freeze_cost=None, spike_guard: bool = True):
+                 freeze_cost=None, spike_guard: bool = True, live_level: Optional[bool] = None):
         check_optimizer(optimizer, freeze_step, exchange, variance_floor)
         if not float(delay_steps) >= 0:
             raise ValueError(f"delay_steps must be >= 0, got {delay_steps!r}")
@@ -109,6 +115,9 @@ class FrozenVarianceAdam:
         self.delay_steps, self.bounded = (float(delay_steps) if exchange == "momentum" else 0.0), bool(bounded)
         #: Scales back a frozen step whose input jumps (:mod:`gradcomp.optim.spike_guard`); ``None``: off.
         self.guard: Optional[SpikeGuard] = SpikeGuard() if spike_guard else None
+        #: Each param group's live level on its frozen steps (:mod:`gradcomp.optim.live_level`); ``None``: off.
+        live = exchange == "gradient" if live_level is None else live_level
+        self.level: Optional[LiveLevel] = LiveLevel() if live else None
         #: Stepped aside (:meth:`suspend`): the user's Adam runs as it is, its variance live again.
         self.suspended = False
         #: The optimizer step whose variance the denominators freeze (``None``: ``freeze_step``).
@@ -179,16 +188,22 @@ class FrozenVarianceAdam:
         A policy calls it between steps when every group went dense in the step just done (``Auto`` after
         a trial measured compression no faster; the residuals were flushed, ``exp_avg`` holds the averaged
         first moment). Mutates the optimizer's state: ``"frozen_denom"`` is dropped and ``exp_avg_sq``
-        rescaled so that Adam's next denominators, ``sqrt(exp_avg_sq / (1 - beta2^t))``, are the frozen ones."""
+        rescaled so that Adam's next denominators, ``sqrt(exp_avg_sq / (1 - beta2^t))``, are the frozen ones
+        (times the group's live level)."""
         if self.suspended:
             return
-        groups = self._groups()
-        for param in self.names.values():
-            state = self.optimizer.state.get(param, {})
-            if state.pop("frozen_denom", None) is None or "exp_avg_sq" not in state:
-                continue
-            beta2 = groups[id(param)]["betas"][1]
-            state["exp_avg_sq"].mul_((1 - beta2 ** self._steps_done(param)) / (1 - beta2 ** self._frozen_at()))
+        named = {id(p) for p in self.names.values()}
+        for index, group in enumerate(self.optimizer.param_groups):
+            level = self.level.ratio(index) if self.level else 1.0
+            for param in group["params"]:
+                state = self.optimizer.state.get(param, {})
+                if id(param) not in named or state.pop("frozen_denom", None) is None or "exp_avg_sq" not in state:
+                    continue
+                beta2 = group["betas"][1]
+                state["exp_avg_sq"].mul_(level * (1 - beta2 ** self._steps_done(param))
+                                         / (1 - beta2 ** self._frozen_at()))
+        if self.level:
+            self.level.reset()
         self.moments, self.suspended = {}, True
         self._pending.clear()
 
@@ -302,10 +317,14 @@ class FrozenVarianceAdam:
             if not params:
                 continue
             self.gate.watch(index, group, self._steps_done(params[0]) - self._frozen_at())
-            states = [optimizer.state[p] for p in params]
-            grads = scaled([p.grad for p in params], factor)
-            frozen_update(params, [state["exp_avg"] for state in states], grads,
-                          [self._denom(p, group) for p in params], [self._steps_done(p) + 1 for p in params],
+            states, denoms = [optimizer.state[p] for p in params], [self._denom(p, group) for p in params]
+            grads = [p.grad for p in params]
+            if self.level is not None:  # the guard's factor joins the level's: one pass over the gradients
+                grads = scaled(grads, self.level.factor(index, grads, denoms, group["betas"][1], group["eps"], factor))
+            else:
+                grads = scaled(grads, factor)
+            frozen_update(params, [state["exp_avg"] for state in states], grads, denoms,
+                          [self._steps_done(p) + 1 for p in params],
                           group, decoupled_weight_decay(optimizer, group), self.exchange, self.bounded)
             for param, state in zip(params, states):
                 state["step"] += 1
@@ -346,7 +365,7 @@ class FrozenVarianceAdam:
         """The settings a checkpoint must have been saved with (the learning rate may change)."""
         return {"freeze_step": self.freeze_step, "exchange": self.exchange, "variance_floor": self.variance_floor,
                 "delay_steps": self.delay_steps, "bounded": self.bounded, "latest_freeze": self.gate.latest,
-                "spike_guard": self.guard is not None}
+                "spike_guard": self.guard is not None, "live_level": self.level is not None}
 
     def settings(self) -> dict:
         """Every setting that changes how a replica moves (the cross-rank check hashes them)."""
@@ -355,13 +374,9 @@ class FrozenVarianceAdam:
                 "step_hook": self._hook is not None}
 
     def state_dict(self) -> dict:
-        """The settings, whether the stage is suspended and where the variance froze, and with
-        ``exchange="momentum"`` this rank's first moments (CPU float32)."""
-        state = {**self._recipe(), "suspended": self.suspended, "frozen_at": self.frozen_at,
-                 "gate": self.gate.state_dict(), "guard": self.guard.state_dict() if self.guard else None}
-        if self.exchange == "momentum":
-            state["moments"] = {k: v.detach().cpu().clone() for k, v in self.moments.items()}
-        return state
+        """The settings, whether the stage is suspended and where the variance froze, the guard's and the levels'
+        averages, and with ``exchange="momentum"`` this rank's first moments (CPU float32)."""
+        return state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore :meth:`state_dict`; raises ``ValueError`` (changing nothing) if it does not fit."""

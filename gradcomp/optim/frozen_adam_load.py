@@ -1,14 +1,26 @@
-"""Loading :class:`~gradcomp.optim.FrozenVarianceAdam`'s state: every part validated before any is assigned."""
+"""Saving and loading :class:`~gradcomp.optim.FrozenVarianceAdam`'s state: every part validated before any is
+assigned."""
 from __future__ import annotations
 
 import torch
 
-__all__ = ["prepare_load"]
+__all__ = ["prepare_load", "state_dict"]
+
+
+def state_dict(stage) -> dict:
+    """``stage``'s (a ``FrozenVarianceAdam``) settings, suspension, freeze step, gate, guard and levels, and with
+    ``exchange="momentum"`` this rank's first moments (CPU float32 copies)."""
+    state = {**stage._recipe(), "suspended": stage.suspended, "frozen_at": stage.frozen_at,
+             "gate": stage.gate.state_dict(), "guard": stage.guard.state_dict() if stage.guard else None,
+             "level": stage.level.state_dict() if stage.level else None}
+    if stage.exchange == "momentum":
+        state["moments"] = {k: v.detach().cpu().clone() for k, v in stage.moments.items()}
+    return state
 
 
 def prepare_load(stage, state_dict: dict):
     """Validate ``stage.state_dict()``'s output for ``stage`` (a ``FrozenVarianceAdam``) and return the function
-    that assigns it (mutating ``stage``: its moments, suspension, freeze step, gate and guard). Raises
+    that assigns it (mutating ``stage``: its moments, suspension, freeze step, gate, guard and levels). Raises
     ``ValueError``, changing nothing."""
     if not isinstance(state_dict, dict):
         raise ValueError(f"expected FrozenVarianceAdam.state_dict(), got {type(state_dict).__name__}")
@@ -19,7 +31,8 @@ def prepare_load(stage, state_dict: dict):
     saved.setdefault("bounded", stage.bounded)
     saved.setdefault("latest_freeze", None)
     saved.setdefault("spike_guard", stage.guard is not None)
-    gate, guard = saved.pop("gate", {}), saved.pop("guard", None)
+    saved.setdefault("live_level", stage.level is not None)
+    gate, guard, level = saved.pop("gate", {}), saved.pop("guard", None), saved.pop("level", None)
     if not isinstance(suspended, bool) or not (frozen_at is None or (type(frozen_at) is int and frozen_at >= 1)):
         raise ValueError(f"the checkpoint's FrozenVarianceAdam has suspended={suspended!r}, "
                          f"frozen_at={frozen_at!r}; expected a bool and None or a step >= 1")
@@ -30,6 +43,9 @@ def prepare_load(stage, state_dict: dict):
         raise ValueError(f"the checkpoint's freeze gate is not a dict, got {type(gate).__name__}")
     assign_gate = stage.gate.prepare_load(gate)
     assign_guard = stage.guard.prepare_load(guard) if stage.guard and guard is not None else (lambda: None)
+    # saved before the levels existed: they start again from the denominators at the next frozen step
+    groups = len(stage.optimizer.param_groups)
+    assign_level = stage.level.prepare_load(level if level is not None else {}, groups) if stage.level else None
     if not isinstance(moments, dict):
         raise ValueError("the checkpoint's first moments are not a dict of tensors by parameter name")
     checked = {}
@@ -46,6 +62,8 @@ def prepare_load(stage, state_dict: dict):
         stage.moments, stage.suspended, stage.frozen_at = checked, suspended, frozen_at
         assign_gate()
         assign_guard()
+        if assign_level is not None:
+            assign_level()
         stage._pending.clear()
 
     return assign
