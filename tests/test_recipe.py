@@ -335,6 +335,32 @@ def test_a_run_past_its_plan_says_so_once_and_keeps_the_final_setting():
         chosen.schedule.compressor_at(150, chosen.compressor)  # said once
 
 
+SHORT_RUN = """
+import sys, torch
+from gradcomp.recipe import plan
+torch.manual_seed(0)
+named = list(torch.nn.Linear(512, 512).named_parameters())
+chosen = plan("topk:0.01", None, 100, None, named, min_numel=0, announce=True)
+for step in range(int(sys.argv[1])):
+    chosen.schedule.compressor_at(step, chosen.compressor)
+"""
+
+
+@pytest.mark.parametrize("steps, said", [(10, True), (49, True), (50, False), (100, False)])
+def test_a_run_ended_before_half_its_plan_says_so_at_exit(steps, said):
+    """At interpreter exit, a run whose furthest step is short of half its ``total_steps`` says so once (its
+    dense start and ramp were sized for the whole run); a run that got that far does not."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SHORT_RUN, str(steps)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    message = f"the run ended after {steps} of the 100 steps its recipe was planned for"
+    assert (message in done.stderr) == said, done.stderr
+    assert done.stderr.count("RecipeNotice: gradcomp: the run ended after") == int(said)  # once
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_register_rejects_a_stage_that_does_not_know_the_models_names(tmp_path):
