@@ -7,8 +7,8 @@ Every parameter has a DDP bucket of its own (``bucket_cap_mb_list`` with a tiny 
 simulation can follow each parameter alone, also right after a resume. The simulation is plain
 torch arithmetic written from the algorithms' definitions (top-k by ``torch.topk`` with error
 feedback, the average as the rank-ordered sum of the decoded payloads / P, the dense allreduce as
-``g_0 / 2 + g_1 / 2``, AdamW as torch writes it, the frozen step from its definition); it shares no
-code with the engine, the hook, the stage or the kernels, so that the comparison can be bitwise.
+``g_0 / 2 + g_1 / 2``, AdamW as torch writes it, the frozen step and its live level from their definitions);
+it shares no code with the engine, the hook, the stage or the kernels, so that the comparison can be bitwise.
 """
 import io
 import math
@@ -169,6 +169,18 @@ class _Adam:
         param.addcdiv_(self.m, denom, value=-ADAM_LR / (1 - BETAS[0] ** self.t))
 
 
+def _level_factor(level, averages, denoms):
+    """The gradient exchange's live level of the one param group (``level``: ``[n_0, n]``, mutated), from its
+    definition: ``n = b2 n + (1 - b2) mean(g^2)`` over the group's averaged gradients, from ``n_0 = mean((d -
+    eps)^2)`` of the frozen denominators; returns ``sqrt(n_0 / n)`` (float32 0-d)."""
+    elements = sum(g.numel() for g in averages)
+    if not level:
+        level += [torch.stack([torch.linalg.vector_norm(d - EPS) for d in denoms]).square().sum() / elements] * 2
+    squares = torch.stack([torch.linalg.vector_norm(g) for g in averages]).square().sum()
+    level[1] = BETAS[1] * level[1] + (1 - BETAS[1]) * (squares / elements)
+    return (level[0] / level[1]).sqrt()
+
+
 def simulate(kind, steps, world_size=2):
     """Parameters after ``steps`` steps of ``kind``, simulated in one process."""
     model = make_model()
@@ -177,8 +189,10 @@ def simulate(kind, steps, world_size=2):
     moments = {k: [None] * world_size for k in params}
     adam = {k: _Adam(p) for k, p in params.items()}
     buffers = {k: None for k in params}
+    level = []
     for step in range(steps):
         grads = [_local_grads(model, r, step) for r in range(world_size)]
+        averages = {}
         with torch.no_grad():
             for k, param in params.items():
                 frozen = kind != "sgd" and step >= DENSE
@@ -196,7 +210,13 @@ def simulate(kind, steps, world_size=2):
                 average = _exchange(sent, residual[k], _density_at(step), world_size)
                 if frozen:
                     average = average * adam[k].denom.reshape(-1)
-                grad = average.view_as(param)
+                averages[k] = average.view_as(param)
+            frozen = kind != "sgd" and step >= DENSE
+            factor = None  # the Adam stage's live level, with the gradient exchanged
+            if frozen and kind == "adam-gradient":
+                factor = _level_factor(level, list(averages.values()), [adam[k].denom for k in params])
+            for k, param in params.items():
+                grad = averages[k] if factor is None else averages[k] * factor
                 if kind == "sgd":
                     buffers[k] = grad.clone() if buffers[k] is None else buffers[k].mul_(MOMENTUM).add_(grad)
                     param.add_(buffers[k], alpha=-SGD_LR)
