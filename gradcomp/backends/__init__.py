@@ -207,7 +207,8 @@ def resolve_backend(device, backend: Optional[str] = None) -> str:
 
 
 #: The ops with a batched form over the parts of one flat group (:mod:`gradcomp.backends.parts`).
-PART_OPS = ("twobit_chunk_compress", "twobit_chunk_decompress_add", "threebit_compress", "threebit_decompress_add")
+PART_OPS = ("twobit_chunk_compress", "twobit_chunk_decompress_add", "threebit_compress", "threebit_decompress_add",
+            "topk_compress")
 
 
 def implements_parts(op: str, backend: str) -> Callable[[Callable], Callable]:

@@ -1,4 +1,4 @@
-"""The chunk-scaled quantizers' ops over every part of one flat group at once.
+"""The chunk-scaled quantizers' and top-k's compress over every part of one flat group at once.
 
 A per-parameter payload (:class:`~gradcomp.compressors.PerParameter`) holds one quantizer payload per parameter
 of a group, each its codes then its scales, every segment 8-byte aligned. Called part by part, each op pays its
@@ -13,11 +13,14 @@ the compressed parameters only)::
 
     compress        fn(grad, residual_in, residual_out, words, parts)   writes the parts' codes and scales
     decompress_add  fn(words, parts, out)                               out[lo : lo + numel] += decoded
+    topk_compress   fn(grad, residual_in, residual_out, values, indices, parts)   (``parts``: :class:`Selection`)
 
 Tensors and conventions are the per-part op's (:mod:`gradcomp.backends`), over the whole group: ``grad``,
 the residuals and ``out`` are ``[n]``; part ``i`` reads and writes elements ``[lo, lo + numel)``, its codes
 are ``words[codes : codes + ceil(numel / per_word)]`` and its scales the float32 view of
-``words[scales : scales + ceil(numel / chunk)]``. Every part is checked to lie inside the arrays before
+``words[scales : scales + ceil(numel / chunk)]``; top-k's part ``i`` selects its ``k`` entries into
+``values[first : first + k]`` and ``indices[first : first + k]`` (its own positions, as the per-part op
+gives them). Every part is checked to lie inside the arrays before
 anything is written. The results are bitwise the per-part op's: the batched forms run the same kernels on
 the same slices.
 
@@ -33,7 +36,8 @@ import torch
 
 from gradcomp.validation import within
 
-__all__ = ["Part", "PartIndex", "geometry", "spans", "check_parts", "looped", "part_index", "parts_valid"]
+__all__ = ["Part", "Selection", "PartIndex", "geometry", "spans", "check_parts", "check_selections", "looped",
+           "part_index", "parts_valid"]
 
 
 class Part(NamedTuple):
@@ -42,6 +46,14 @@ class Part(NamedTuple):
     numel: int
     codes: int  # first int32 word of its codes
     scales: int  # first int32 word of its float32 scales
+
+
+class Selection(NamedTuple):
+    """One top-k part of a group: its elements and where its ``k`` entries go in the group's selection."""
+    lo: int  # first element in the group
+    numel: int
+    first: int  # first entry in values and indices
+    k: int  # 1 <= k <= numel
 
 
 #: Per family: codes per int32 word, elements per scale, bits per code.
@@ -69,6 +81,14 @@ def check_parts(op: str, parts: Sequence[Part], n: int, words: int) -> None:
             raise ValueError(f"{op}: part {index} {tuple(part)} does not fit {n} elements and {words} words")
 
 
+def check_selections(op: str, parts: Sequence[Selection], n: int, entries: int) -> None:
+    """Raise ``ValueError`` unless every part lies in ``[0, n)`` and its ``1 <= k <= numel`` entries in ``entries``."""
+    for index, part in enumerate(parts):
+        if not (0 <= part.lo and 0 < part.numel and part.lo + part.numel <= n and 0 <= part.first
+                and 1 <= part.k <= part.numel and part.first + part.k <= entries):
+            raise ValueError(f"{op}: part {index} {tuple(part)} does not fit {n} elements and {entries} entries")
+
+
 def looped(op: str, fn: Callable) -> Callable:
     """``op``'s batched signature over ``fn``, the per-part op, called part by part (every backend's form
     where it has no batched one)."""
@@ -76,6 +96,15 @@ def looped(op: str, fn: Callable) -> Callable:
     def segments(words, part):
         codes, scales = spans(op, part)
         return words[codes], words[scales].view(torch.float32)
+
+    if op == "topk_compress":
+        def select(grad, residual_in, residual_out, values, indices, parts):
+            check_selections(op, parts, grad.numel(), values.numel())
+            for part in parts:
+                piece, entries = slice(part.lo, part.lo + part.numel), slice(part.first, part.first + part.k)
+                fn(grad[piece], None if residual_in is None else residual_in[piece],
+                   None if residual_out is None else residual_out[piece], values[entries], indices[entries])
+        return select
 
     if op.endswith("_compress"):
         def compress(grad, residual_in, residual_out, words, parts):

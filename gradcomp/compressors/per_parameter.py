@@ -28,7 +28,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 
 from gradcomp.backends import kernel, kernel_parts
-from gradcomp.backends.parts import Part, PartIndex, part_index, parts_valid
+from gradcomp.backends.parts import Part, PartIndex, Selection, part_index, parts_valid
 from gradcomp.backends.sparse_parts import CompactParts, SparseParts
 from gradcomp.compressors.base import Compressor, check_gradient
 from gradcomp.compressors.topk import TopK
@@ -83,6 +83,7 @@ class PerParameter(Compressor):
         self.parts: Tuple[_Part, ...] = tuple(parts)
         self.numel = offset
         self._layouts = {}
+        self._selection_rows: Optional[Tuple[Selection, ...]] = None  # built at the first compact compress
 
     # -- layout ---------------------------------------------------------------------------
     def _plan(self, dtype: torch.dtype) -> _Plan:
@@ -202,22 +203,34 @@ class PerParameter(Compressor):
         """Every top-k part selected by the base's kernel straight into its own segments (wide entries), or
         into one selection of the group that :meth:`CompactParts.encode` writes at once (compact entries):
         bitwise the base's ``compress`` part by part, without a payload allocated and copied per part."""
-        op = kernel("topk_compress", tensor.device, backend)
-        kept = [part for part in self.parts if not part.dense]
-        if self.base.compact:
-            ks = [self.base.k(part.numel) for part in kept]
-            values = torch.empty(sum(ks), dtype=tensor.dtype, device=tensor.device)
-            indices = torch.empty(sum(ks), dtype=torch.int32, device=tensor.device)
-            targets = zip(values.split(ks), indices.split(ks))
-        else:
-            targets = ((own["values"], own["indices"]) for part, own in self.parts_of(payload, tensor.dtype)
-                       if not part.dense)
-        for part, (chosen, at) in zip(kept, targets):
-            piece = slice(part.offset, part.offset + part.numel)
-            op(tensor[piece], None if residual is None else residual[piece],
-               None if residual_out is None else residual_out[piece], chosen, at)
-        if self.base.compact:
+        if self.base.compact:  # every part's selection in one call (kernel_parts), then encoded at once
+            selections = self._selections()
+            total = sum(row.k for row in selections)
+            values = torch.empty(total, dtype=tensor.dtype, device=tensor.device)
+            indices = torch.empty(total, dtype=torch.int32, device=tensor.device)
+            kernel_parts("topk_compress", tensor.device, backend)(tensor, residual, residual_out, values, indices,
+                                                                  selections)
             self._on(plan.sparse, tensor.device).encode(values, indices, payload.buffer, residual_out, backend)
+            return
+        op = kernel("topk_compress", tensor.device, backend)
+        for part, own in self.parts_of(payload, tensor.dtype):
+            if not part.dense:
+                piece = slice(part.offset, part.offset + part.numel)
+                op(tensor[piece], None if residual is None else residual[piece],
+                   None if residual_out is None else residual_out[piece], own["values"], own["indices"])
+
+    def _selections(self) -> Tuple[Selection, ...]:
+        """The top-k parts' :class:`~gradcomp.backends.parts.Selection` rows, entries one part after another (an
+        empty part selects nothing and has none)."""
+        if self._selection_rows is None:
+            rows, first = [], 0
+            for part in self.parts:
+                k = 0 if part.dense else self.base.k(part.numel)
+                if k:
+                    rows.append(Selection(part.offset, part.numel, first, k))
+                    first += k
+            self._selection_rows = tuple(rows)
+        return self._selection_rows
 
     def decompress_add(self, payload: Payload, out: torch.Tensor, backend: Optional[str] = None) -> None:
         self.add_checked(payload, None, out, backend)

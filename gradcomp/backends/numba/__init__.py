@@ -15,6 +15,7 @@ module              what lives there
                     target (``csrc/gradcomp_common.cuh``)
 ``twobit``          the fused 2-bit kernels (``csrc/twobit.cu``)
 ``topk``            the exact radix-select top-k and its workspace (``csrc/topk.cu``)
+``topk_parts``      every small part's top-k of a per-parameter group in one call
 ``concurrency``     the lock every op runs under, and why (Python threads, threading layer)
 ``ops``             the registered ops: argument checks, tensors to NumPy views
 ``compact``         compact top-k's encode and check over a group's parts, one pass each

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from gradcomp.backends import checks, implements, implements_parts
-from gradcomp.backends.numba import threebit, topk, topk_decode, twobit, twobit_chunk
+from gradcomp.backends.numba import threebit, topk, topk_decode, topk_parts, twobit, twobit_chunk
 from gradcomp.backends.numba.concurrency import serialized
-from gradcomp.backends.parts import check_parts, spans
+from gradcomp.backends.parts import check_parts, check_selections, spans
 
 # Half-precision tensors cross into Numba as their bits; the integer dtype names the format.
 _HALF_BITS = {torch.float16: np.int16, torch.bfloat16: np.uint16}
@@ -104,6 +104,38 @@ def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
         work_bound,
     )
     _TOPK_WORKSPACE.grow(index_dtype, *needed)
+
+
+@implements_parts("topk_compress", "numba")
+@serialized
+def topk_compress_parts(grad, residual_in, residual_out, values, indices, parts) -> None:
+    """Every part's top-k (:mod:`gradcomp.backends.parts`): the parts of one chunk in one serial call
+    (:mod:`~gradcomp.backends.numba.topk_parts`), each larger part by the parallel kernel; bitwise the per-part op."""
+    op = "topk_compress"
+    n = checks.check_compress(op, grad, residual_in, residual_out)
+    checks.check_vector(op, "values", values, checks.GRAD_DTYPES)
+    checks.check_vector(op, "indices", indices, checks.INDEX_DTYPES, values.numel())
+    check_selections(op, parts, n, values.numel())
+    if indices.dtype == torch.int32 and n >= 2**31:  # the selection passes group positions through them
+        raise ValueError(f"{op}: a group of {n} elements needs int64 indices")
+    g, r_in, r_out = as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out)
+    v, i = as_array(values), as_array(indices)
+    small = [part for part in parts if topk.chunk_count(part.numel) == 1]
+    work_index, work_bits, work_bound = _TOPK_WORKSPACE.candidates(i.dtype)
+    if small:
+        lo, numel, first, k = (np.array(column, dtype=np.int64) for column in zip(*small))
+        needed = topk_parts.compress_parts_kernel(g, r_in, r_out, v, i, lo, lo + numel, first, first + k,
+                                                  _TOPK_WORKSPACE.hist, work_index, work_bits, work_bound)
+        _TOPK_WORKSPACE.grow(i.dtype, *needed)
+    for part in parts:
+        if topk.chunk_count(part.numel) > 1:
+            piece, entries = slice(part.lo, part.lo + part.numel), slice(part.first, part.first + part.k)
+            work_index, work_bits, work_bound = _TOPK_WORKSPACE.candidates(i.dtype)
+            needed = topk.compress_kernel(
+                g[piece], None if r_in is None else r_in[piece], r_out if r_out is None or r_out is True
+                else r_out[piece], v[entries], i[entries], topk.chunk_count(part.numel), _TOPK_WORKSPACE.hist,
+                work_index, work_bits, work_bound)
+            _TOPK_WORKSPACE.grow(i.dtype, *needed)
 
 
 @implements("topk_decompress_add", "numba")
