@@ -5,7 +5,10 @@ paired ratio to the first method's. Not a quiet benchmark: a diagnosis of where 
 Usage, from the repository root: ``PYTHONPATH=. python experiments/results/research-step-overhead/ab.py WORKLOAD
 OPTIMIZER STEPS METHOD...``; a METHOD is one of ``experiments.step_times``'s (``dense``, ``fp16``, ``topk``, ...),
 or ``gc-SPEC``: ``gradcomp.hooks.ddp.register(model, SPEC)`` alone, without an optimizer stage.
-Add ``--profile FILE`` to write rank 0's cProfile of the timed steps of the first method.
+Add ``--profile FILE`` to write rank 0's cProfile of the timed steps of the first method, ``--walltime`` to print
+rank 0's wall-clock totals of the step's named functions by thread over every method's timed steps (time one
+method: :mod:`walltime`). ``topk-perpart`` is the ``topk`` recipe with its parts selected one by one (the batched
+form taken out of the registry around its steps), to pair against ``topk``.
 """
 import os
 import statistics
@@ -17,6 +20,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 def make(method, net, loop, workload_name):
     """``(ddp model, optimizer, scheduler, gradcomp state or None)`` of ``method`` on a copy of ``net``."""
+    method = "topk" if method == "topk-perpart" else method
     import copy
 
     from torch.nn.parallel import DistributedDataParallel
@@ -34,6 +38,20 @@ def make(method, net, loop, workload_name):
     return ddp, optimizer, scheduler, gradcomp_ddp.register(ddp, method[3:])
 
 
+def _step(method, replica, workload, loop, rank, i):
+    """One timed step of ``method``'s replica (``topk-perpart``: without top-k's batched form over the parts)."""
+    import gradcomp.backends as backends
+    from experiments import step_times
+
+    key = ("topk_compress/parts", "numba")
+    held = backends.KERNELS.pop(key) if method == "topk-perpart" else None
+    try:
+        return step_times._step(replica, workload, loop, rank, i)
+    finally:
+        if held is not None:
+            backends.KERNELS[key] = held
+
+
 def rank_main(rank, argv):
     import cProfile
     import warnings
@@ -45,7 +63,12 @@ def rank_main(rank, argv):
 
     warnings.filterwarnings("ignore")
     profile = argv.pop(argv.index("--profile") + 1) if "--profile" in argv else None
-    argv = [a for a in argv if a != "--profile"]
+    walltime = None
+    if "--walltime" in argv:
+        import walltime  # beside this script, on the path a script's directory is
+
+        walltime.install()
+    argv = [a for a in argv if a not in ("--profile", "--walltime")]
     launch.init_rank(rank, 2, threads=1, timeout=600, cuda=False)
     name, optimizer, steps, *methods = argv
     workload = suite.build(name, 0, 32)
@@ -54,15 +77,17 @@ def rank_main(rank, argv):
     replicas = {m: make(m, net, loop, name) for m in methods}
     for m in methods:
         for i in range(step_times.PLANNED_STEPS + 5):
-            step_times._step(replicas[m], workload, loop, rank, i)
+            _step(m, replicas[m], workload, loop, rank, i)
     seconds = {m: [] for m in methods}
+    if walltime:
+        walltime.reset()
     profiler = cProfile.Profile() if profile and rank == 0 else None
     for i in range(int(steps)):
         for j in range(len(methods)):
             m = methods[(i + j) % len(methods)]
             if profiler and m == methods[0]:
                 profiler.enable()
-            seconds[m].append(step_times._step(replicas[m], workload, loop, rank, 100 + i))
+            seconds[m].append(_step(m, replicas[m], workload, loop, rank, 100 + i))
             if profiler and m == methods[0]:
                 profiler.disable()
     if rank == 0:
@@ -70,6 +95,8 @@ def rank_main(rank, argv):
             ratios = [a / b for a, b in zip(seconds[m], seconds[methods[0]])]
             median = statistics.median(seconds[m]) * 1000
             print(f"{m:>16} {median:8.2f} ms  x{methods[0]} {statistics.median(ratios):.3f}")
+        if walltime:
+            walltime.report(int(steps))
         if profiler:
             profiler.dump_stats(profile)
     dist.barrier()

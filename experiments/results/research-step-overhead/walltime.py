@@ -1,0 +1,62 @@
+"""Wall-clock totals of the step's named functions on rank 0, by thread (``ab.py --walltime``).
+
+cProfile's own overhead inflates Python, and its per-function times pick up what a thread waits for (the GIL,
+the core the other rank and Gloo's threads share): it once put 0.18 ms a call into Numba's thread-count setter,
+which removed changed no step. These totals wrap a few functions with ``time.perf_counter`` and say which
+thread ran them (the training thread, or Gloo's callback thread); nested functions are counted in both.
+"""
+import collections
+import functools
+import threading
+import time
+
+TOTALS = collections.defaultdict(float)
+CALLS = collections.Counter()
+
+
+def _wrap(owner, name: str, label: str) -> None:
+    inner = getattr(owner, name)
+
+    @functools.wraps(inner)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            key = (label, threading.current_thread() is threading.main_thread())
+            TOTALS[key] += time.perf_counter() - start
+            CALLS[key] += 1
+
+    setattr(owner, name, timed)
+
+
+def install() -> None:
+    """Wrap the functions (before the replicas are built: the hook is looked up at registration)."""
+    import gradcomp.hooks.ddp as ddp
+    from gradcomp import engine, inflight
+    from gradcomp.compressors import per_parameter
+    from gradcomp.exchanges import allgather
+    from gradcomp.optim import frozen_adam, spike_guard
+
+    for name in ("before_compress", "after_average", "before_optimizer_step", "_guard_factor", "commit"):
+        _wrap(frozen_adam.FrozenVarianceAdam, name, f"stage.{name}")
+    _wrap(spike_guard.SpikeGuard, "scale", "guard.scale")
+    _wrap(engine.Engine, "start", "engine.start")
+    _wrap(engine.Engine, "finish", "engine.finish")
+    _wrap(allgather.Allgather, "start", "allgather.start")
+    _wrap(per_parameter.PerParameter, "compress", "per_parameter.compress")
+    _wrap(ddp, "compression_hook", "hook")
+    _wrap(ddp, "_all_gather_flat", "all_gather launch")
+    _wrap(inflight, "hold", "inflight.hold")
+    _wrap(inflight, "keep", "inflight.keep")
+
+
+def reset() -> None:
+    TOTALS.clear()
+    CALLS.clear()
+
+
+def report(steps: int) -> None:
+    for (label, main), seconds in sorted(TOTALS.items(), key=lambda item: -item[1]):
+        thread, calls = ("training" if main else "callback"), CALLS[(label, main)] / steps
+        print(f"{label:28s} {thread:8s} {seconds / steps * 1000:7.3f} ms/step  {calls:4.1f} calls")
