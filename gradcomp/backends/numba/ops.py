@@ -96,14 +96,17 @@ def topk_compress(grad, residual_in, residual_out, values, indices) -> None:
         if residual_out is not None:
             residual_out.copy_(grad.float() if residual_in is None else grad.float() + residual_in)
         return
-    index_dtype = as_array(indices).dtype
-    work_index, work_bits, work_bound = _TOPK_WORKSPACE.candidates(index_dtype)
-    needed = topk.compress_kernel(
-        as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out),
-        as_array(values), as_array(indices), topk.chunk_count(n), _TOPK_WORKSPACE.hist, work_index, work_bits,
-        work_bound,
-    )
-    _TOPK_WORKSPACE.grow(index_dtype, *needed)
+    _select(as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out), as_array(values),
+            as_array(indices))
+
+
+def _select(grad, residual_in, residual_out, values, indices) -> None:
+    """:func:`~gradcomp.backends.numba.topk.compress_kernel` on NumPy views (``residual_out`` as
+    :func:`residual_arg` gives it), the workspace grown after; the caller holds the kernel lock."""
+    work_index, work_bits, work_bound = _TOPK_WORKSPACE.candidates(indices.dtype)
+    needed = topk.compress_kernel(grad, residual_in, residual_out, values, indices, topk.chunk_count(grad.size),
+                                  _TOPK_WORKSPACE.hist, work_index, work_bits, work_bound)
+    _TOPK_WORKSPACE.grow(indices.dtype, *needed)
 
 
 @implements_parts("topk_compress", "numba")
@@ -121,21 +124,17 @@ def topk_compress_parts(grad, residual_in, residual_out, values, indices, parts)
     g, r_in, r_out = as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out)
     v, i = as_array(values), as_array(indices)
     small = [part for part in parts if topk.chunk_count(part.numel) == 1]
-    work_index, work_bits, work_bound = _TOPK_WORKSPACE.candidates(i.dtype)
     if small:
         lo, numel, first, k = (np.array(column, dtype=np.int64) for column in zip(*small))
+        work_index, work_bits, work_bound = _TOPK_WORKSPACE.candidates(i.dtype)
         needed = topk_parts.compress_parts_kernel(g, r_in, r_out, v, i, lo, lo + numel, first, first + k,
                                                   _TOPK_WORKSPACE.hist, work_index, work_bits, work_bound)
         _TOPK_WORKSPACE.grow(i.dtype, *needed)
     for part in parts:
         if topk.chunk_count(part.numel) > 1:
             piece, entries = slice(part.lo, part.lo + part.numel), slice(part.first, part.first + part.k)
-            work_index, work_bits, work_bound = _TOPK_WORKSPACE.candidates(i.dtype)
-            needed = topk.compress_kernel(
-                g[piece], None if r_in is None else r_in[piece], r_out if r_out is None or r_out is True
-                else r_out[piece], v[entries], i[entries], topk.chunk_count(part.numel), _TOPK_WORKSPACE.hist,
-                work_index, work_bits, work_bound)
-            _TOPK_WORKSPACE.grow(i.dtype, *needed)
+            _select(g[piece], None if r_in is None else r_in[piece],
+                    r_out if r_out is None or r_out is True else r_out[piece], v[entries], i[entries])
 
 
 @implements("topk_decompress_add", "numba")
