@@ -22,7 +22,7 @@ are ``words[codes : codes + ceil(numel / per_word)]`` and its scales the float32
 ``values[first : first + k]`` and ``indices[first : first + k]`` (its own positions, as the per-part op
 gives them). Every part is checked to lie inside the arrays before
 anything is written. The results are bitwise the per-part op's: the batched forms run the same kernels on
-the same slices.
+the same slices (top-k's numba form, the same kernel's steps on each part's elements of the group's arrays).
 
 :func:`parts_valid` is the received payload's check, the quantizers' ``check_payload`` rules over every part
 in a few reductions; a payload it rejects is checked again part by part, which names the part and the fault.
