@@ -102,6 +102,9 @@ class SimulatedTransport(Transport):
         tensor.mul_(1.0 / self.world_size)  # as DDP's reducer and the DDP transport: scale, then sum
         return self._collective("allreduce", name).contribute(tensor)
 
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.futures.Future:
+        return self._collective("allreduce", name).contribute(tensor)
+
     def allgather(self, buffer: torch.Tensor, name: str) -> torch.futures.Future:
         return self._collective("allgather", name).contribute(buffer)
 

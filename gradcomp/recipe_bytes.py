@@ -18,6 +18,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from gradcomp.compressors import Compressor, ThreeBit, TopK, TwoBit, from_spec
+from gradcomp.compressors.casts import Cast
 
 __all__ = ["Traffic", "bytes_per_element"]
 
@@ -49,12 +50,12 @@ class Traffic:
 
 def bytes_per_element(compressor: Compressor, density: Optional[float], traffic: Traffic) -> float:
     """Bytes sent per element as a share of dense float32: the elements of ``traffic.dense`` at 1,
-    the others at their payloads' bytes (top-k at ``density`` where given, else its own); a
-    compressor that is not top-k, 2-bit or 3-bit at 1."""
+    the others at their payloads' bytes (top-k at ``density`` where given, else its own; a cast at its
+    wire dtype's, fp16 1/2); any other compressor at 1."""
     if isinstance(compressor, TopK) and density is not None:
         compressor = TopK(density, entries=compressor.entries)
-    compressed = _payload_share(compressor.spec, traffic.sizes) if isinstance(compressor, (TopK, TwoBit, ThreeBit)) \
-        else 1.0
+    planned = isinstance(compressor, (TopK, TwoBit, ThreeBit, Cast))
+    compressed = _payload_share(compressor.spec, traffic.sizes) if planned else 1.0
     return traffic.dense + (1 - traffic.dense) * compressed
 
 

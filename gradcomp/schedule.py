@@ -33,7 +33,8 @@ Defaults, from measurements (charlm-small, 2 ranks, seed 0: a single-process sim
   of 2000 keep the run at 1/9 of dense bytes (the goal is 1/8); 40 dense steps already fixed
   most of the early-residual damage at 200 steps (3.06 -> 2.60 held-out loss).
 
-:class:`PlannedSchedule` wraps the one-call recipe's schedule and says when a run outgrows its plan;
+:class:`PlannedSchedule` wraps the one-call recipe's schedule and says when a run outgrows its plan (and sends
+its dense start in 16 bits); :func:`lr_peak_step` reads where an LR scheduler's warm-up ends;
 :class:`CodeSwitch` is how the recipe keeps its byte budget after a dense start held past its plan.
 
 Example::
@@ -46,19 +47,25 @@ from __future__ import annotations
 
 import atexit
 import copy
+import warnings
 import weakref
 from typing import Dict, Optional, Sequence, Tuple
+
+import torch
 
 from gradcomp.compressors.base import Compressor
 from gradcomp.compressors.topk import TopK
 
-__all__ = ["DenseWarmup", "SparsityRamp", "CodeSwitch", "PlannedSchedule", "recommended", "DGC_DENSITIES"]
+__all__ = ["DenseWarmup", "SparsityRamp", "CodeSwitch", "PlannedSchedule", "recommended", "lr_peak_step",
+           "DGC_DENSITIES"]
 
 #: DGC's ramp (Lin et al., 2018): sparsity 75%, 93.75%, 98.4375%, 99.6%: density divided by 4.
 DGC_DENSITIES: Tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625)
 DEFAULT_STAGE_STEPS = 100
 TOPK_DENSE_STEPS = 2
 TWOBIT_DENSE_STEPS = 100
+#: Steps a :class:`PlannedSchedule` with a ``start`` compressor keeps dense: DDP's first step and its bucket rebuild.
+EXACT_DENSE_STEPS = 2
 
 
 def _check_count(name: str, value, minimum: int = 0) -> int:
@@ -243,6 +250,24 @@ def recommended(compressor: Compressor) -> DenseWarmup:
     return DenseWarmup(TOPK_DENSE_STEPS)
 
 
+def lr_peak_step(scheduler, total_steps: int) -> int:
+    """The first step at which ``scheduler``'s learning rate (group 0) peaks over ``total_steps``, found
+    on a copy (the parameters shared, not copied; nothing of ``scheduler`` or its optimizer changes)."""
+    optimizer = scheduler.optimizer
+    memo = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    memo.update({id(t): t for state in optimizer.state.values() for t in state.values()
+                 if isinstance(t, torch.Tensor)})
+    probe = copy.deepcopy(scheduler, memo)
+    best_lr, best_step = float(probe.optimizer.param_groups[0]["lr"]), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": nothing is trained here
+        for step in range(1, total_steps):
+            probe.step()
+            lr = float(probe.optimizer.param_groups[0]["lr"])
+            if lr > best_lr * (1 + 1e-9):
+                best_lr, best_step = lr, step
+    return best_step
+
 class PlannedSchedule:
     """The recipe's schedule (``inner``), which also notices a run that outgrows its plan.
 
@@ -256,11 +281,16 @@ class PlannedSchedule:
     steps are dense, and the steps after them follow ``replan(gate.freeze_delay)``, the plan for the later
     dense start (the recipe's keeps the byte budget), or without ``replan`` ``inner``'s plan as many steps
     late. The delay is kept in the stage's checkpoint, so a resumed run re-plans alike.
+
+    ``start``: the compressor of the dense start's steps from step :data:`EXACT_DENSE_STEPS` on (the recipe's
+    :class:`~gradcomp.compressors.FP16`: half the bytes, no residual; ``None``: they are dense). The first
+    steps stay dense, so DDP rebuilds its buckets on exact gradients.
     """
 
-    def __init__(self, inner, total_steps: int, announce: bool = True, gate=None, replan=None):
+    def __init__(self, inner, total_steps: int, announce: bool = True, gate=None, replan=None,
+                 start: Optional[Compressor] = None):
         self.inner, self.total_steps, self.announce, self.gate = inner, total_steps, announce, gate
-        self.replan = replan
+        self.replan, self.start = replan, start
         self._replanned: Tuple[int, object] = (0, inner)
         self.dense_steps = getattr(inner, "dense_steps", None)
         self.furthest = -1
@@ -269,6 +299,13 @@ class PlannedSchedule:
         atexit.register(lambda: ref() is not None and ref()._say_if_short())
 
     def compressor_at(self, step: int, base: Compressor) -> Optional[Compressor]:
+        planned = self._planned(step, base)
+        if planned is None and self.start is not None and step >= EXACT_DENSE_STEPS:
+            return self.start
+        return planned
+
+    def _planned(self, step: int, base: Compressor) -> Optional[Compressor]:
+        """The plan's compressor of ``step`` (``None``: a step of the dense start)."""
         self.furthest = max(self.furthest, step)
         if step >= self.total_steps and not self._said_longer:
             self._said_longer = True

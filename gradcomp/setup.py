@@ -187,7 +187,8 @@ def prepare(compressor, named_parameters: Iterable[Tuple[str, torch.nn.Parameter
 
         recipe = plan(compressor, optimizer, total_steps, scheduler, named,
                       min_numel=settings.get("min_numel", DEFAULT_MIN_NUMEL), min_compression=min_compression,
-                      step_hook=stage_hook, announce=announce, sharded=sharded)
+                      step_hook=stage_hook, announce=announce, sharded=sharded,
+                      cast_start=settings.get("policy") is None)  # a policy times dense steps: keep them dense
         compressor = recipe.compressor
         settings.update(schedule=recipe.schedule, transform=recipe.transform)
         if recipe.granularity is not None and settings.get("granularity") is None:

@@ -32,6 +32,11 @@ class Transport:
         dense path does (DDP: multiply by 1/P, then sum; Horovod: ``op=Average``)."""
         raise NotImplementedError
 
+    def allreduce_sum(self, tensor: torch.Tensor, name: str):
+        """Start summing ``tensor`` in place over the ranks (a summable payload, each rank's already
+        scaled by 1/P: then every framework rounds a 16-bit sum of two ranks alike)."""
+        raise NotImplementedError(f"{type(self).__name__} has no allreduce_sum")
+
     def allgather(self, buffer: torch.Tensor, name: str):
         """Start an allgather of the uint8 ``buffer`` (the same size on every rank); the
         result is ``[P * buffer.numel()]`` bytes, rank ``r``'s at ``r * buffer.numel()``."""
@@ -50,7 +55,7 @@ class Transport:
         raise NotImplementedError(f"{type(self).__name__} does not scatter")
 
     def can_allreduce(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether ``allreduce_average`` can sum ``dtype`` tensors (else payloads are gathered)."""
+        """Whether ``allreduce_sum`` can sum ``dtype`` tensors (else payloads are gathered)."""
         return True
 
     def agree(self, fingerprint: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,10 @@ class TorchDistributedTransport(Transport):
         (handed,) = inflight.hold(tensor)  # Gloo's thread must not be its last owner at exit (see gradcomp.inflight)
         return dist.all_reduce(handed, group=self._group, async_op=True).get_future()
 
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.futures.Future:
+        (handed,) = inflight.hold(tensor)
+        return dist.all_reduce(handed, group=self._group, async_op=True).get_future()
+
     def allgather(self, buffer: torch.Tensor, name: str) -> torch.futures.Future:
         """Start an allgather of the 1-D uint8 ``buffer`` (the same size on every rank); the future's
         value is ``[gathered]``, uint8 ``[world_size * buffer.numel()]``."""

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradcomp
 from gradcomp.hooks import ddp as gc_ddp
 from gradcomp.optim import DelayedMomentumSGD, FrozenVarianceAdam
-from gradcomp.schedule import DenseWarmup, SparsityRamp
+from gradcomp.schedule import DenseWarmup, PlannedSchedule, SparsityRamp
 from optim_workers import batch, make_model  # noqa: F401  the model and data of the optimizer-stage tests
 
 TOTAL_STEPS = 40
@@ -51,6 +51,8 @@ class Run:
         elif spec.startswith("topk"):  # its top-k: twice the entries, written compact
             compressor = gradcomp.TopK(2 * compressor.density, entries="compact")
         schedule = (SparsityRamp(dense_steps, stage_steps, densities) if densities else DenseWarmup(dense_steps))
+        # the dense start's steps after the first two as an fp16 cast
+        schedule = PlannedSchedule(schedule, TOTAL_STEPS, announce=False, start=gradcomp.FP16())
         self.optimizer = make_optimizer(kind, self.model)
         transform = None
         if kind == "adamw":

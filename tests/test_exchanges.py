@@ -30,6 +30,9 @@ class OneRank(Transport):
     def allreduce_average(self, tensor, name):
         return tensor
 
+    def allreduce_sum(self, tensor, name):
+        return tensor
+
     def allgather(self, buffer, name):
         return buffer.clone()
 
@@ -136,7 +139,7 @@ def test_exactly_one_automatic_exchange_or_none_applies(dtype, can_allreduce):
 def test_who_averages_decides_what_a_sum_reduction_multiplies_back():
     """The Horovod drop-in multiplies by P for op=Sum where the exchange averaged on its own."""
     averaged = {name for name in exchanges.names(runnable=True) if exchanges.get(name).averages_itself}
-    assert averaged == {"allgather", "two_phase", "reduce_scatter"}
+    assert averaged == {"allgather", "two_phase", "reduce_scatter", "allreduce"}
 
 
 def test_telemetry_takes_the_registered_names_only():

@@ -125,7 +125,7 @@ def test_top_k_ramp_scales_with_the_run_and_keeps_the_byte_budget(total, density
     assert schedule.stage_steps * len(schedule.densities) <= 0.75 * (total - chosen.dense_steps)
     # Bytes over the run, counted step by step from the schedule itself: at least 8x fewer than dense.
     named = named_mlp()
-    sent = sum(sent_share(schedule.compressor_at(step, chosen.compressor), named) for step in range(total))
+    sent = sum(sent_share(chosen.schedule.compressor_at(step, chosen.compressor), named) for step in range(total))
     assert total / sent >= 8.0
     assert chosen.expected_compression == pytest.approx(total / sent, rel=1e-6)
     # twice the entries at 4 bytes each: wide top-k's 8 bytes at ``density``, to the payloads' rounding up
@@ -133,7 +133,8 @@ def test_top_k_ramp_scales_with_the_run_and_keeps_the_byte_budget(total, density
 
 
 def sent_share(compressor, named) -> float:
-    """The bytes one step sends for ``named`` under ``compressor`` (``None``: dense) over dense float32's."""
+    """The bytes one step sends for ``named`` under ``compressor`` (``None``: dense; the dense start's fp16
+    cast at its payload's bytes) over dense float32's."""
     if compressor is None:
         return 1.0
     return sum(compressor.layout(p.numel(), torch.float32).nbytes for _, p in named) / sum(4 * p.numel()
@@ -151,7 +152,7 @@ def test_bytes_are_counted_from_the_payloads(spec, kind):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         chosen = plan(spec, optimizer, 2000, None, named, min_numel=0)
-    sent = sum(sent_share(chosen.schedule.inner.compressor_at(step, chosen.compressor), named) for step in range(2000))
+    sent = sum(sent_share(chosen.schedule.compressor_at(step, chosen.compressor), named) for step in range(2000))
     assert chosen.expected_compression == pytest.approx(2000 / sent, rel=1e-6)
     assert 2000 / sent >= 8.0 or any("under the 8x asked" in note for note in chosen.notes)
 
@@ -315,6 +316,37 @@ def test_a_policy_under_the_recipe_picks_the_recipes_own_2_bit_code():
     candidates = setup.settings["policy"].candidates
     assert [c.spec for c in candidates] == ["fp16", "twobit:chunk", "topk:0.02,entries=compact"]
     assert candidates[-1] is setup.compressor
+
+
+def test_the_dense_start_goes_as_an_fp16_cast_after_ddps_first_two_steps():
+    """DDP's first two steps dense (its buckets rebuilt on exact gradients), the dense start's later steps an
+    fp16 cast, the plan's steps after it unchanged; the bytes counted at the cast's. Not where a policy times
+    dense steps, not under FSDP, not with ``cast_start=False``."""
+    from gradcomp.setup import prepare
+
+    named = named_mlp()
+    params = [p for _, p in named]
+    for optimizer in (torch.optim.AdamW(params, lr=1e-3), torch.optim.SGD(params, lr=0.1, momentum=0.9)):
+        for spec in ("topk:0.01", "twobit"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RecipeNotice)
+                cast = plan(spec, optimizer, 1000, None, named, min_numel=0)
+                dense = plan(spec, optimizer, 1000, None, named, min_numel=0, cast_start=False)
+                sharded = plan(spec, optimizer, 1000, None, named, min_numel=0, sharded=True)
+            steps = range(cast.dense_steps + 50)
+            used = [cast.schedule.compressor_at(s, cast.compressor) for s in steps]
+            planned = [dense.schedule.compressor_at(s, dense.compressor) for s in steps]
+            assert cast.dense_steps == dense.dense_steps > 2 and "(FP16() from step 2)" in cast.summary
+            assert used[:2] == [None, None] and all(isinstance(c, gradcomp.FP16) for c in used[2:cast.dense_steps])
+            assert [c.spec for c in used[cast.dense_steps:]] == [c.spec for c in planned[dense.dense_steps:]]
+            assert planned[:dense.dense_steps] == [None] * dense.dense_steps
+            assert [sharded.schedule.compressor_at(s, sharded.compressor) for s in range(3)] == [None] * 3
+            half = (cast.dense_steps - 2) * 0.5  # dense steps' worth of bytes the casts save
+            assert 1000 / cast.expected_compression == pytest.approx(1000 / dense.expected_compression - half)
+    with pytest.warns(RecipeNotice):
+        setup = prepare("topk:0.01", named, optimizer=torch.optim.AdamW(params, lr=1e-3), total_steps=1000,
+                        policy=gradcomp.Auto())
+    assert setup.settings["schedule"].start is None and setup.settings["schedule"].compressor_at(5, None) is None
 
 
 def test_stages_take_the_names_of_the_wrapped_or_the_unwrapped_model():

@@ -109,3 +109,14 @@ def test_code_switch_runs_the_base_then_the_later_code():
         CodeSwitch(2, 5, later).load_state_dict(schedule.state_dict())
     with pytest.raises(ValueError, match="switch_step"):
         CodeSwitch(3, 2, later)  # a switch inside the dense start
+
+
+def test_a_planned_schedule_sends_its_dense_steps_in_its_start_compressor_after_the_first_two():
+    from gradcomp.schedule import PlannedSchedule
+
+    base, start = TopK(0.01), FP16()
+    planned = PlannedSchedule(DenseWarmup(5), 100, announce=False, start=start)
+    assert [planned.compressor_at(s, base) for s in range(7)] == [None, None, start, start, start, base, base]
+    assert planned.settings() == DenseWarmup(5).settings()  # a checkpoint holds the plan's own settings
+    bare = PlannedSchedule(DenseWarmup(5), 100, announce=False)
+    assert [bare.compressor_at(s, base) for s in range(6)] == [None] * 5 + [base]

@@ -32,6 +32,10 @@ class CountingTransport(Transport):
         self.handed.append(("allreduce", tensor.numel() * tensor.element_size()))
         return self.inner.allreduce_average(tensor, name)
 
+    def allreduce_sum(self, tensor, name):
+        self.handed.append(("allreduce", tensor.numel() * tensor.element_size()))
+        return self.inner.allreduce_sum(tensor, name)
+
     def allgather(self, buffer, name):
         self.handed.append(("allgather", buffer.numel() * buffer.element_size()))
         return self.inner.allgather(buffer, name)

@@ -1,8 +1,9 @@
 """The summable allreduce: payloads that an allreduce may sum (fp16, bf16 casts) are summed in place.
 
 A summable compressor's payload is one segment, ``"data"``, and the decoded sum of payloads equals
-the sum of decoded payloads (:class:`gradcomp.Compressor`, contract 6), so the transport's own
-allreduce averages the wire segment in place and every rank decodes the same result. A transport
+the sum of decoded payloads (:class:`gradcomp.Compressor`, contract 6), so each rank's gradient is
+scaled by 1/P, compressed, and the transport's allreduce sums the wire segment in place; every rank
+decodes the same result. A transport
 that cannot reduce the segment's dtype (Horovod 0.28.1 has no bfloat16 allreduce) leaves the group
 to the engine's chosen exchange, which gathers the payloads instead.
 """
@@ -27,7 +28,6 @@ class SummedAllreduce(Exchange):
 
     label = "allreduce"
     automatic = True
-    averages_itself = False
 
     def applies(self, compressor: Optional[Compressor], numel: int, dtype: torch.dtype, device, transport) -> bool:
         if compressor is None or not compressor.summable or payload_is_gradient(compressor, numel, dtype):
@@ -36,14 +36,18 @@ class SummedAllreduce(Exchange):
         return transport is None or transport.can_allreduce(wire_dtype, torch.device(device))
 
     def compress(self, context, handle, source, residuals) -> None:
-        super().compress(context, handle, source, residuals)
+        # Scaled by 1/P before the cast, then summed: a sum of two ranks' 16-bit values rounds once, alike on
+        # every framework (a 16-bit payload scaled after its cast loses bits below float16's normal range,
+        # where DDP and Horovod round differently), and the scale keeps the sum in range.
+        scaled = source.mul(1.0 / context.transport.world_size)
+        super().compress(context, handle, scaled, residuals)
         handle.wire = handle.payload["data"]  # summed in place by the allreduce
 
     def start(self, context, handle) -> None:
         wire, grad = handle.wire, handle.grad
         context.record(handle.group, wire.numel() * wire.element_size(), grad.numel() * grad.element_size(),
                        time.perf_counter() - handle.started, self.name, None)
-        handle.work = context.transport.allreduce_average(wire, str(handle.group))
+        handle.work = context.transport.allreduce_sum(wire, str(handle.group))
 
     def finish(self, context, handle, result: torch.Tensor) -> torch.Tensor:
         payload, grad = handle.payload, handle.grad

@@ -44,6 +44,9 @@ class HorovodTransport(Transport):
     def allreduce_average(self, tensor, name):
         return hvd.allreduce_async_(tensor, name=name, op=self.op, process_set=self.process_set, **self._scale)
 
+    def allreduce_sum(self, tensor, name):
+        return hvd.allreduce_async_(tensor, name=name, op=hvd.Sum, process_set=self.process_set)
+
     def allgather(self, buffer, name):
         # Horovod's CPU collectives reject int8; payload sizes are multiples of 8, so the
         # int64 view (same bytes) always exists.
