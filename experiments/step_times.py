@@ -4,7 +4,9 @@ One launch of 2 ranks (DDP over Gloo, one thread each, a full-duplex emulated li
 namespace per rank, ``netem.link(mode="duplex")``) holds one DDP replica per method, all from the
 same weights: ``noop`` (no communication: the compute floor), ``dense``, torch's ``fp16`` and
 ``powersgd`` hooks, and gradcomp's ``topk``/``twobit`` recipes and ``auto`` at their final setting
-(each replica is first trained through its dense start and ramp, ``auto`` also through its trials).
+(each replica is first trained through its dense start and ramp, ``auto`` also through its trials), and
+``start``: a step of the recipes' dense start after DDP's first two, the fp16 cast (the top-k recipe of a
+run planned :data:`START_PLANNED_STEPS` long, timed inside its dense start).
 Then, for ``--rounds`` rounds, for each link of ``--links`` (the link changes between them by
 ``tc qdisc replace`` on both ends of both ranks' links, no process restarts): ``--settle`` untimed steps
 of each method, then timed steps of every method in turn (one step of each, the order rotated every
@@ -39,7 +41,7 @@ from typing import Dict, List
 
 __all__ = ["main", "summarize", "spread"]
 
-METHODS = ("noop", "dense", "fp16", "powersgd", "topk", "twobit", "auto")
+METHODS = ("noop", "dense", "fp16", "powersgd", "topk", "twobit", "auto", "start")
 LINKS = ("unshaped", "10gbit", "1gbit", "100mbit", "10mbit")
 #: Methods whose replica is set up on each link it is timed on (a policy measures its link).
 PER_LINK = ("auto",)
@@ -47,6 +49,8 @@ PER_LINK = ("auto",)
 MAX_ROUND_STEPS = 400
 #: Steps the recipes run before timing: through their dense start and ramp, to the final setting.
 PLANNED_STEPS = 40
+#: The run ``start`` plans for: its dense start (5 % of it at least, no scheduler) outlasts any benchmark.
+START_PLANNED_STEPS = 10**6
 #: The most untimed steps after those while a policy still runs trials (each of its three candidates
 #: may take one: 3 x 8 cycles of 3 steps, and a step between them).
 MAX_DECIDING_STEPS = 80
@@ -92,8 +96,9 @@ def _replica(method: str, net, loop, run_steps: int):
     optimizer, scheduler = loops.build_optimizer(loop, model)
     # gradcomp's recipes at their final setting after PLANNED_STEPS, with the 2-bit code of a run_steps
     # run (3-bit's payload costs 1.38x the ternary code's); the others as they are.
-    telemetry = methods.attach_study_method(ddp, method, optimizer, scheduler, PLANNED_STEPS,
-                                            dense_bytes=sum(p.numel() * 4 for p in model.parameters()),
+    attached, planned = (("topk", START_PLANNED_STEPS) if method == "start" else (method, PLANNED_STEPS))
+    telemetry = methods.attach_study_method(ddp, attached, optimizer, None if method == "start" else scheduler,
+                                            planned, dense_bytes=sum(p.numel() * 4 for p in model.parameters()),
                                             code_steps=run_steps)
     torch.manual_seed(0)
     return ddp, optimizer, scheduler, telemetry.state
@@ -194,6 +199,8 @@ def bench_rank(rank: int, world_size: int, args) -> None:
         _agree_on_link("unshaped" if rate is None else rate, rank)
         for key in (k for k in keys if k[1] == rate):
             _to_final_setting(replicas[key], lambda count: steps(key, count))
+            if key[0] == "start" and type(replicas[key][3].engine.compressor_now()).__name__ != "FP16":
+                raise RuntimeError(f"start: the replica left its fp16 dense start ({replicas[key][3].engine.step})")
     times: Dict[tuple, List[List[float]]] = {}
     chosen: Dict[str, List[dict]] = {}
     per_round: Dict[str, int] = {}  # timed steps per method on each link, fixed by the first round

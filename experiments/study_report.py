@@ -75,21 +75,28 @@ def summarize(spec, path: str) -> Optional[dict]:
         # Bytes by eval, for time on a link (experiments.time_to_accuracy): the dense start and the ramp
         # send more than the final setting, so the final setting's step time alone would flatter a run.
         "bytes_to_eval": _bytes_to(steps, [r["step"] for r in evals]),
+        "start_to_eval": _bytes_to([r for r in steps if _is_cast(r)], [r["step"] for r in evals], count=True),
         "final_bytes_share": steps[-1]["bytes_sent"] / steps[-1]["dense_bytes"] if steps[-1]["dense_bytes"] else 1.0,
         "eval_accuracy": [r["accuracy"] for r in evals] if "accuracy" in final else None,
         "log": os.path.relpath(path),
     }
 
 
-def _bytes_to(steps: List[dict], at: List[int]) -> List[List[int]]:
+def _bytes_to(steps: List[dict], at: List[int], count: bool = False) -> List[List[int]]:
     """``[sent, dense]``: the bytes sent and the bytes dense would have sent in steps ``0..a`` for
-    each ``a`` of ``at`` (ascending)."""
+    each ``a`` of ``at`` (ascending); ``count``: ``[steps, sent, dense]``."""
     out, sent, dense, index = [], 0, 0, 0
     for a in at:
         while index < len(steps) and steps[index]["step"] <= a:
             sent, dense, index = sent + steps[index]["bytes_sent"], dense + steps[index]["dense_bytes"], index + 1
-        out.append([sent, dense])
+        out.append([index, sent, dense] if count else [sent, dense])
     return out
+
+
+def _is_cast(step: dict) -> bool:
+    """Whether a step's record is one of the recipe's dense start in fp16: half of dense's bytes or more, not
+    all (a compressed step sends a quarter at most, the ramp's densest top-k, with the small tensors dense)."""
+    return step["dense_bytes"] > 0 and 0.5 <= step["bytes_sent"] / step["dense_bytes"] < 1.0
 
 
 def add_dense_comparisons(rows: List[dict]) -> None:

@@ -11,7 +11,8 @@ link of the step-time benchmark (``step_times_*.json``, :mod:`experiments.step_t
 * ``time_ratio_vs_dense``: the method's time to the target over dense's time to its own final loss
   (its first evaluation at that loss x dense's step time on the link). The method's time counts
   each step by the bytes it sent: the dense start and the ramp cost more than the final setting
-  the benchmark times (:func:`run_time`; ``time_model`` says which model a row used). Its step
+  the benchmark times (:func:`run_time`; ``time_model`` says which model a row used; the recipes'
+  fp16 dense start at the benchmark's ``start`` step where it was timed). Its step
   at the final setting is dense's times the benchmark's paired ratio to dense
   (:func:`paired_step_time`; ``step_ratio_vs_dense``, ``ratio_spread``).
 
@@ -39,6 +40,8 @@ from typing import Dict, List, Optional
 __all__ = ["rows_for", "run_time", "main"]
 
 TARGET_FACTOR = 1.02
+#: The methods whose dense start is sent as an fp16 cast (the recipes without a policy).
+CAST_START = ("topk", "twobit")
 
 
 def _reached(evals: List[list], target: float) -> Optional[int]:
@@ -56,14 +59,18 @@ def _steps_to(evals: List[list], target: float) -> Optional[int]:
     return None if index is None else evals[index][0] + 1
 
 
-def run_time(run: dict, index: int, step_time: float, dense_step_time: float) -> tuple:
+def run_time(run: dict, index: int, step_time: float, dense_step_time: float,
+             start_step_time: Optional[float] = None) -> tuple:
     """Seconds a run takes to its ``index``-th evaluation on a link, and the model used.
 
     The benchmark times each method at its final setting (``step_time``, sending ``b_c`` =
-    ``run["final_bytes_share"]`` of dense's bytes), dense at ``dense_step_time``. A step that sent
-    a share ``b`` of dense's bytes (the dense start, the ramp) costs the straight line between
-    them: ``t_c + (t_d - t_c) (b - b_c) / (1 - b_c)``; summed over the steps, only the run's
-    cumulative bytes are needed. Runs recorded without bytes by evaluation: every step at ``t_c``.
+    ``run["final_bytes_share"]`` of dense's bytes), dense at ``dense_step_time``, and the recipes'
+    dense start in fp16 at ``start_step_time`` (its ``start`` method). The dense start's cast steps
+    (``run["start_to_eval"]``) cost ``start_step_time`` each where it is given; any other step that sent
+    a share ``b`` of dense's bytes (the ramp; without a timed start, the casts too) costs the straight
+    line between the final setting and dense: ``t_c + (t_d - t_c) (b - b_c) / (1 - b_c)``; summed over
+    the steps, only their cumulative bytes are needed. Runs recorded without bytes by evaluation: every
+    step at ``t_c``.
     """
     steps = run["evals"][index][0] + 1
     share = run.get("final_bytes_share")
@@ -72,19 +79,26 @@ def run_time(run: dict, index: int, step_time: float, dense_step_time: float) ->
     if share >= 1.0:
         return steps * dense_step_time, "per-step bytes"
     sent, dense = run["bytes_to_eval"][index]
-    shares = steps * sent / dense if dense else steps * share  # sum of the steps' shares
-    extra = max(0.0, shares - steps * share) / (1.0 - share)
-    return steps * step_time + (dense_step_time - step_time) * extra, "per-step bytes"
+    casts, model, seconds = 0, "per-step bytes", 0.0
+    if start_step_time is not None and run.get("start_to_eval"):
+        casts, cast_sent, cast_dense = run["start_to_eval"][index]
+        sent, dense, seconds = sent - cast_sent, dense - cast_dense, casts * start_step_time
+        model = "per-step bytes, timed casts" if casts else model
+    rest = steps - casts
+    shares = rest * sent / dense if dense else rest * share  # sum of the other steps' shares
+    extra = max(0.0, shares - rest * share) / (1.0 - share)
+    return seconds + rest * step_time + (dense_step_time - step_time) * extra, model
 
 
-def _seed_result(run: dict, dense: dict, step_time: float, dense_step_time: float) -> tuple:
+def _seed_result(run: dict, dense: dict, step_time: float, dense_step_time: float,
+                 start_step_time: Optional[float] = None) -> tuple:
     """``(steps to the target, time ratio to dense, time model)`` of one seed's run against the dense run
     of the same seed on one link; ``None`` for the first two where it never reaches the target."""
     reached = _reached(run["evals"], dense["final_loss"] * TARGET_FACTOR)
     dense_steps = _steps_to(dense["evals"], dense["final_loss"])
     if reached is None or not dense_steps:
         return None, None, None
-    seconds, model = run_time(run, reached, step_time, dense_step_time)
+    seconds, model = run_time(run, reached, step_time, dense_step_time, start_step_time)
     return run["evals"][reached][0] + 1, seconds / (dense_steps * dense_step_time), model
 
 
@@ -114,8 +128,10 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
             if timed is None or dense_timed is None:
                 continue
             step_time = paired_step_time(timed, dense_timed)
+            start_timed = _timing(times, workload, optimizer, "start", link) if method in CAST_START else None
+            start_time = paired_step_time(start_timed, dense_timed) if start_timed is not None else None
             results = [_seed_result(runs[(workload, optimizer, method, s)], runs[(workload, optimizer, "dense", s)],
-                                    step_time, dense_timed["step_time"]) for s in seeds]
+                                    step_time, dense_timed["step_time"], start_time) for s in seeds]
             ratio = _median_high([r[1] for r in results])
             row = {"workload": workload, "optimizer": optimizer, "method": method, "link": link,
                    "target_loss": runs[(workload, optimizer, "dense", seeds[0])]["final_loss"] * TARGET_FACTOR,

@@ -15,7 +15,7 @@ for workload in charlm-small gpt proselm digits-mlp shapes; do
     for optimizer in adamw sgdm; do
         echo "study_time_to_accuracy: $workload $optimizer (load $(cut -d' ' -f1 /proc/loadavg))"
         "$python" -m experiments.step_times --workload "$workload" --optimizer "$optimizer" \
-            --methods noop,dense,topk,twobit --links 10mbit,100mbit,1gbit,unshaped --rounds 4 --steps 6 --round-seconds 2 \
+            --methods noop,dense,topk,twobit,start --links 10mbit,100mbit,1gbit,unshaped --rounds 4 --steps 6 --round-seconds 2 \
             --out "$out/step_times"
     done
 done

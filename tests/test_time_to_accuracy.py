@@ -39,6 +39,30 @@ def test_a_step_costs_the_bytes_it_sent_between_the_final_setting_and_dense():
     assert tta.run_time(legacy, 2, 0.2, 1.0) == (pytest.approx(0.6), "final setting")
 
 
+def test_the_recipes_fp16_dense_start_costs_its_timed_step_and_the_rest_their_bytes():
+    """2 dense steps, 3 fp16 casts (half the bytes), 5 at the final setting: with the benchmark's ``start`` timed,
+    each cast costs its step (0.4 s, under the straight line's 0.5 s); without it, the line. The study's rows
+    count a run's casts from its step records (half of dense's bytes or more, not all)."""
+    from experiments.study_report import _bytes_to, _is_cast
+
+    shares = [1.0] * 2 + [0.5] * 3 + [0.1] * 5
+    row = run("topk", [3.0] * 10, shares)
+    records = [{"step": i, "bytes_sent": round(b * DENSE_BYTES), "dense_bytes": DENSE_BYTES}
+               for i, b in enumerate(shares)]
+    row["start_to_eval"] = _bytes_to([r for r in records if _is_cast(r)], list(range(10)), count=True)
+    assert row["start_to_eval"][9] == [3, 150, 300] and row["start_to_eval"][1] == [0, 0, 0]
+    seconds, model = tta.run_time(row, 9, step_time=0.2, dense_step_time=1.0, start_step_time=0.4)
+    assert seconds == pytest.approx(2 * 1.0 + 3 * 0.4 + 5 * 0.2) and model == "per-step bytes, timed casts"
+    seconds, model = tta.run_time(row, 9, step_time=0.2, dense_step_time=1.0)
+    assert seconds == pytest.approx(2 * 1.0 + 3 * (0.2 + 0.8 * 0.4 / 0.9) + 5 * 0.2) and model == "per-step bytes"
+    # rows_for times the casts of the recipes only, with the start's paired ratio to dense
+    dense = run("dense", [3.0] * 10, [1.0] * 10)
+    times = [timing("dense", "1gbit", 1.0), timing("topk", "1gbit", 0.2), timing("start", "1gbit", 0.4)]
+    late = {**row, "evals": [[i, 0.0, 4.0 if i < 9 else 3.0] for i in range(10)]}  # reaches dense's loss at step 9
+    (topk_row,) = [r for r in tta.rows_for([late, dense], times) if r["method"] == "topk"]
+    assert topk_row["time_model"] == "per-step bytes, timed casts"
+
+
 def test_rows_files_and_a_method_that_never_reaches_the_target(tmp_path):
     dense = run("dense", [3.0, 2.5, 2.2, 2.0, 1.9, 1.8], [1.0] * 6)
     topk = run("topk", [3.0, 2.6, 2.3, 2.1, 1.95, 1.83], [1.0, 1.0, 0.1, 0.1, 0.1, 0.1])  # 1.83 <= 1.8 x 1.02
