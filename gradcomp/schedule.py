@@ -268,6 +268,7 @@ def lr_peak_step(scheduler, total_steps: int) -> int:
                 best_lr, best_step = lr, step
     return best_step
 
+
 class PlannedSchedule:
     """The recipe's schedule (``inner``), which also notices a run that outgrows its plan.
 
@@ -278,9 +279,10 @@ class PlannedSchedule:
 
     ``gate``: an optimizer stage whose ``compresses_at(step)`` may hold the dense start past ``inner``'s
     (Adam's freeze waiting for the learning rate to stop rising, :mod:`gradcomp.optim.freeze_gate`): such
-    steps are dense, and the steps after them follow ``replan(gate.freeze_delay)``, the plan for the later
-    dense start (the recipe's keeps the byte budget), or without ``replan`` ``inner``'s plan as many steps
-    late. The delay is kept in the stage's checkpoint, so a resumed run re-plans alike.
+    steps are the dense start's (dense, or ``start``), and the steps after them follow
+    ``replan(gate.freeze_delay)``, the plan for the later dense start (the recipe's keeps the byte budget),
+    or without ``replan`` ``inner``'s plan as many steps late. The delay is kept in the stage's checkpoint,
+    so a resumed run re-plans alike.
 
     ``start``: the compressor of the dense start's steps from step :data:`EXACT_DENSE_STEPS` on (the recipe's
     :class:`~gradcomp.compressors.FP16`: half the bytes, no residual; ``None``: they are dense). The first
