@@ -37,7 +37,7 @@ import math
 import os
 from typing import Dict, List, Optional
 
-__all__ = ["rows_for", "run_time", "main"]
+__all__ = ["rows_for", "run_time", "read_step_times", "main"]
 
 TARGET_FACTOR = 1.02
 #: The methods whose dense start is sent as an fp16 cast (the recipes without a policy).
@@ -218,19 +218,32 @@ def plot(rows: List[dict], convergence: List[dict], out: str) -> List[str]:
     return written
 
 
+def read_step_times(directories: List[str]) -> List[dict]:
+    """The rows of every ``step_times_*.json`` in ``directories``; a later directory's row is kept only where
+    the earlier ones have no row of its workload, optimizer, method and link."""
+    rows, seen = [], set()
+    for directory in directories:
+        found = []
+        for path in sorted(glob.glob(os.path.join(directory, "step_times_*.json"))):
+            with open(path) as f:
+                found.extend(json.load(f))
+        kept = [r for r in found if (r["workload"], r["optimizer"], r["method"], r["link"]) not in seen]
+        seen.update((r["workload"], r["optimizer"], r["method"], r["link"]) for r in kept)
+        rows.extend(kept)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--convergence", required=True, help="the convergence study's directory")
-    parser.add_argument("--step-times", required=True, help="directory of step_times_*.json")
+    parser.add_argument("--step-times", required=True, nargs="+", help="directories of step_times_*.json: a "
+                        "later one adds the methods the earlier ones lack on a link (each timed in its own launch, "
+                        "paired with that launch's dense)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     with open(os.path.join(args.convergence, "convergence.json")) as f:
         convergence = json.load(f)
-    step_times = []
-    for path in sorted(glob.glob(os.path.join(args.step_times, "step_times_*.json"))):
-        with open(path) as f:
-            step_times.extend(json.load(f))
-    rows = rows_for(convergence, step_times)
+    rows = rows_for(convergence, read_step_times(args.step_times))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "time_to_accuracy.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -210,3 +210,14 @@ def test_rounds_on_a_short_step_run_as_many_steps_as_fill_the_round_and_never_fe
     assert step_times.round_steps(1e-6, 2.0, 6) == step_times.MAX_ROUND_STEPS
     assert step_times.round_steps(0.0, 2.0, 6) == step_times.MAX_ROUND_STEPS
     assert step_times.round_steps(0.020, 0.0, 6) == 6  # no round time asked: the fixed count
+
+
+def test_a_later_step_times_directory_adds_only_the_methods_the_earlier_lack(tmp_path):
+    first, second = tmp_path / "all", tmp_path / "start"
+    first.mkdir(), second.mkdir()
+    (first / "step_times_w_sgdm.json").write_text(json.dumps([timing("dense", "1gbit", 1.0),
+                                                              timing("topk", "1gbit", 0.2)]))
+    (second / "step_times_w_sgdm.json").write_text(json.dumps([timing("dense", "1gbit", 1.5),
+                                                               timing("start", "1gbit", 0.6)]))
+    rows = tta.read_step_times([str(first), str(second)])
+    assert sorted((r["method"], r["step_time"]) for r in rows) == [("dense", 1.0), ("start", 0.6), ("topk", 0.2)]
