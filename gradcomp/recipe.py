@@ -41,12 +41,12 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   the dense start, until the rate has stopped rising, up to :data:`ADAM_DENSE_FRACTION` of the run
   (:mod:`gradcomp.optim.freeze_gate`); the plan after it keeps the byte budget (:func:`_replan`). Bytes
   are counted from each compressed parameter's own payload layout (:mod:`gradcomp.recipe_bytes`).
-* **the dense start in 16 bits**: its steps after DDP's first two go as an fp16 cast (torch's fp16 hook's
-  bytes; no residual). Measured, AdamW top-k, five workloads, seeds 0-2 (``experiments/results/
-  research-half-dense-start/``): held-out losses within each model's seed spread, 12.1-12.7x fewer bytes
-  than dense over the run against 8.0x. The plan keeps a dense start's lengths (the budget then holds with
-  room to spare) and counts the cast's bytes. Not under a policy (``Auto`` times dense steps to measure the
-  link) nor sharded (FSDP's dense start stays its reduce-scatter).
+* **Adam's dense start in 16 bits**: its steps after DDP's first two go as an fp16 cast (torch's fp16 hook's
+  bytes; no residual). Measured, AdamW, five workloads, seeds 0-2 (the convergence study): held-out losses
+  within each model's seed spread, top-k 12.1-12.7x fewer bytes than dense over the run against 8.0x. The
+  plan keeps a dense start's lengths (the budget then holds with room to spare) and counts the cast's bytes.
+  Not under SGD (the GPT's top-k ended +3.0 / +2.5 / +0.9 %, seeds 0-2, against +2.1 / +1.3 / +1.1 % with a
+  dense start: not shown harmless), a policy (``Auto`` times dense steps to measure the link), nor sharded.
 * **sparsity ramp** (top-k): densities halving from the densest of ``1/4, 1/8, 1/16`` that the budget
   affords down to the density asked, each stage as long as the byte budget (``min_compression`` x fewer
   bytes than dense over the whole run) allows, over :data:`RAMP_MIN_FRACTION` to :data:`RAMP_FRACTION`
@@ -254,7 +254,7 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
         step_hook: how a stage reaches the optimizer's step (a pre-hook, or the integration calls it).
         announce: whether this process shows the recipe's notices (one rank speaks for all).
         sharded: FSDP's parameters (the SGD stage and the 16-bit dense start are left out).
-        cast_start: the dense start's steps after the first two as an fp16 cast (module docstring).
+        cast_start: Adam's dense start's steps after the first two as an fp16 cast (module docstring).
     """
     from gradcomp.setup import notice
 
@@ -272,7 +272,8 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
     notes = []
     fraction = ADAM_DENSE_FRACTION if isinstance(optimizer, torch.optim.Adam) else DENSE_FRACTION
     dense_steps = _dense_start(compressor, total_steps, scheduler, 1 / budget, traffic, notes, fraction)
-    start = FP16() if cast_start and not sharded else None
+    adam = isinstance(optimizer, torch.optim.Adam)
+    start = FP16() if cast_start and adam and not sharded else None
     schedule, expected = _schedule(compressor, total_steps, dense_steps, 1 / budget, traffic, start)
     if expected * 1.001 < budget:
         notes.append(f"the dense start ({dense_steps} steps) and the ramp of this {total_steps}-step run leave "

@@ -51,8 +51,9 @@ class Run:
         elif spec.startswith("topk"):  # its top-k: twice the entries, written compact
             compressor = gradcomp.TopK(2 * compressor.density, entries="compact")
         schedule = (SparsityRamp(dense_steps, stage_steps, densities) if densities else DenseWarmup(dense_steps))
-        # the dense start's steps after the first two as an fp16 cast
-        schedule = PlannedSchedule(schedule, TOTAL_STEPS, announce=False, start=gradcomp.FP16())
+        # under Adam, the dense start's steps after the first two as an fp16 cast
+        if kind == "adamw":
+            schedule = PlannedSchedule(schedule, TOTAL_STEPS, announce=False, start=gradcomp.FP16())
         self.optimizer = make_optimizer(kind, self.model)
         transform = None
         if kind == "adamw":

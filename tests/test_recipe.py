@@ -318,15 +318,21 @@ def test_a_policy_under_the_recipe_picks_the_recipes_own_2_bit_code():
     assert candidates[-1] is setup.compressor
 
 
-def test_the_dense_start_goes_as_an_fp16_cast_after_ddps_first_two_steps():
-    """DDP's first two steps dense (its buckets rebuilt on exact gradients), the dense start's later steps an
-    fp16 cast, the plan's steps after it unchanged; the bytes counted at the cast's. Not where a policy times
-    dense steps, not under FSDP, not with ``cast_start=False``."""
+def test_adams_dense_start_goes_as_an_fp16_cast_after_ddps_first_two_steps():
+    """Under Adam, DDP's first two steps dense (its buckets rebuilt on exact gradients), the dense start's later
+    steps an fp16 cast, the plan's steps after it unchanged; the bytes counted at the cast's. Not under SGD, not
+    where a policy times dense steps, not under FSDP, not with ``cast_start=False``."""
     from gradcomp.setup import prepare
 
     named = named_mlp()
     params = [p for _, p in named]
-    for optimizer in (torch.optim.AdamW(params, lr=1e-3), torch.optim.SGD(params, lr=0.1, momentum=0.9)):
+    for spec in ("topk:0.01", "twobit"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecipeNotice)
+            sgd = plan(spec, torch.optim.SGD(params, lr=0.1, momentum=0.9), 1000, None, named, min_numel=0)
+        assert sgd.dense_steps > 2 and "FP16" not in sgd.summary
+        assert all(sgd.schedule.compressor_at(s, sgd.compressor) is None for s in range(sgd.dense_steps))
+    for optimizer in (torch.optim.AdamW(params, lr=1e-3), torch.optim.Adam(params, lr=1e-3)):
         for spec in ("topk:0.01", "twobit"):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RecipeNotice)
