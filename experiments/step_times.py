@@ -198,9 +198,7 @@ def bench_rank(rank: int, world_size: int, args) -> None:
     for rate in [None] + links:
         _agree_on_link("unshaped" if rate is None else rate, rank)
         for key in (k for k in keys if k[1] == rate):
-            _to_final_setting(replicas[key], lambda count: steps(key, count))
-            if key[0] == "start" and type(replicas[key][3].engine.compressor_now()).__name__ != "FP16":
-                raise RuntimeError(f"start: the replica left its fp16 dense start ({replicas[key][3].engine.step})")
+            _to_final_setting(replicas[key], lambda count: steps(key, count), key[0])
     times: Dict[tuple, List[List[float]]] = {}
     chosen: Dict[str, List[dict]] = {}
     per_round: Dict[str, int] = {}  # timed steps per method on each link, fixed by the first round
@@ -222,9 +220,12 @@ def bench_rank(rank: int, world_size: int, args) -> None:
     dist.destroy_process_group()
 
 
-def _to_final_setting(replica, steps) -> None:
-    """Untimed steps (``steps(count)``) through a recipe's dense start and ramp, and a policy's trials."""
+def _to_final_setting(replica, steps, method: str) -> None:
+    """Untimed steps (``steps(count)``) through a recipe's dense start and ramp, and a policy's trials; ``start``
+    must still be inside its fp16 dense start."""
     steps(PLANNED_STEPS)
+    if method == "start" and type(replica[3].engine.compressor_now()).__name__ != "FP16":
+        raise RuntimeError(f"start: the replica left its fp16 dense start (step {replica[3].engine.step})")
     policy = replica[3].engine.policy if replica[3] is not None else None
     for _ in range(MAX_DECIDING_STEPS):
         if policy is None or not policy.deciding:  # the same on every rank: its verdicts are shared
