@@ -186,6 +186,19 @@ def test_decompress_into_low_precision_output(compressor):
     assert torch.equal(compressor.decompress(payload, out, backend="torch"), staging.half())
 
 
+@pytest.mark.parametrize("compressor", [gradcomp.Identity(), gradcomp.FP16(), gradcomp.BF16()], ids=repr)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_cast_decompresses_to_what_one_summed_payload_gives_keeping_a_zeros_sign(compressor, dtype):
+    grad = torch.cat([torch.randn(200) * 1e3, torch.tensor([0.0, -0.0, 6e-8, -6e-8, 1e-30])]).to(dtype)
+    payload = compressor.compress(grad, backend="torch")
+    summed = torch.zeros(205)
+    compressor.decompress_add(payload, summed, backend="torch")
+    out = torch.full((205,), float("nan"))
+    assert compressor.decompress(payload, out, backend="torch") is out
+    assert torch.equal(out, summed)  # every value (equal treats -0.0 as 0.0)
+    assert torch.equal(out.signbit(), payload["data"].float().signbit())  # one conversion: a -0.0 stays -0.0
+
+
 # -- validation -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("density", [0, -0.1, 1.5, float("nan"), float("inf")])
 def test_topk_rejects_density_outside_range(density):

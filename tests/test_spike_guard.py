@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gradcomp.optim import FrozenVarianceAdam
-from gradcomp.optim.spike_guard import SpikeGuard, scaled
+from gradcomp.optim.spike_guard import SUSPENDED_STRIDE, SpikeGuard, live_denominators, scaled
 
 
 def feed(guard, values, frozen=True):
@@ -115,3 +115,36 @@ def test_scaled_copies_only_where_the_factor_is_not_one():
     halved = scaled(grads, torch.tensor(0.5))
     assert [h.tolist() for h in halved] == [[0.5] * 3, [1.0] * 2]
     assert [g.tolist() for g in grads] == [[1.0] * 3, [2.0] * 2]  # the loop's .grad is not mutated
+
+
+def test_live_denominators_are_adams_per_parameter_formula_bitwise():
+    generator = torch.Generator().manual_seed(3)
+    variances = [torch.rand(1000, generator=generator) * 10.0 ** -k for k in range(1, 9)] + [torch.zeros(5)]
+    bias, eps = 1 - 0.999 ** 7, 1e-8
+    made = live_denominators(variances, bias, eps)
+    assert all(torch.equal(d, (v / bias).sqrt_().add_(eps)) for d, v in zip(made, variances))
+    assert all(d.data_ptr() != v.data_ptr() for d, v in zip(made, variances))  # exp_avg_sq is only read
+
+
+def test_a_suspended_stage_keeps_its_guard_current_on_one_step_in_the_stride():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    stage = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10)
+    batch = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+
+    def steps(count):
+        for _ in range(count):
+            optimizer.zero_grad()
+            net(batch).square().sum().backward()
+            optimizer.step()
+
+    steps(14)
+    assert stage.guard.calls == 14  # the dense start and the frozen steps: every step
+    stage.suspend()
+    steps(4 * SUSPENDED_STRIDE)
+    assert stage.guard.calls == 14 + 4  # suspended: the steps whose optimizer step count is a multiple of it
+    mean = float(stage.guard.mean)
+    stage.resume()
+    steps(3)
+    assert stage.guard.calls == 14 + 4 + 3 and float(stage.guard.mean) != mean  # resumed: every step again

@@ -66,7 +66,7 @@ from gradcomp.optim.freeze_gate import FreezeGate
 from gradcomp.optim.frozen_adam_load import prepare_load, state_dict
 from gradcomp.optim.frozen_update import bounded_step, frozen_update
 from gradcomp.optim.live_level import LiveLevel
-from gradcomp.optim.spike_guard import SpikeGuard, scaled
+from gradcomp.optim.spike_guard import SUSPENDED_STRIDE, SpikeGuard, live_denominators, scaled
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
@@ -333,23 +333,27 @@ class FrozenVarianceAdam:
         self.gate.record(optimizer)
 
     def _guard_factor(self) -> Optional[torch.Tensor]:
-        """What this step's frozen updates multiply ``.grad`` by (:class:`SpikeGuard`; ``None`` without it): the
-        guard reads every parameter with a gradient and a step behind it, over its frozen or Adam's live denominator."""
-        if self.guard is None:
+        """The factor of this step's frozen updates (:class:`SpikeGuard`; ``None``: none) from each gradient over its
+        frozen or Adam's live denominator; suspended, on one step in :data:`~.spike_guard.SUSPENDED_STRIDE`."""
+        first = next(iter(self.names.values()), None)
+        if self.guard is None or self.suspended and first is not None and self._steps_done(first) % SUSPENDED_STRIDE:
             return None
-        grads, denoms, frozen = [], [], False
+        grads, denoms, live = [], [], {}  # live: (bias correction, eps) -> where Adam's own denominators go
         for group in self.optimizer.param_groups:
             for param in group["params"]:
-                state = self.optimizer.state.get(param, {})
-                if param.grad is None or not self._steps_done(param):
+                steps = self._steps_done(param) if param.grad is not None else 0
+                if not steps:
                     continue
-                if self.frozen(param):
-                    frozen, denom = True, self._denom(param, group)
-                else:
-                    bias = 1 - group["betas"][1] ** self._steps_done(param)
-                    denom = (state["exp_avg_sq"] / bias).sqrt_().add_(group["eps"])
                 grads.append(param.grad)
-                denoms.append(denom)
+                if not self.suspended and self.compresses_at(steps):
+                    denoms.append(self._denom(param, group))
+                else:
+                    live.setdefault((1 - group["betas"][1] ** steps, group["eps"]), []).append(len(denoms))
+                    denoms.append(self.optimizer.state[param]["exp_avg_sq"])
+        frozen = len(denoms) > sum(len(where) for where in live.values())
+        for (bias, eps), where in live.items():
+            for at, denom in zip(where, live_denominators([denoms[at] for at in where], bias, eps)):
+                denoms[at] = denom
         return self.guard.scale(grads, denoms, frozen)
 
     def after_optimizer_step(self) -> None:
