@@ -16,7 +16,11 @@ launch of the same round and link (``ratio_spread`` likewise). ``load_before`` i
 
 Output (``--out``): ``step_times_<workload>_<optimizer>.json``, rows as :mod:`experiments.step_times`
 writes them plus ``"integration": "horovod"`` and ``"link_mode": "shared"``, and
-``horovod_rounds.json`` (every launch's step times)::
+``horovod_rounds.json`` (every launch's step times). ``start``, as on DDP (:mod:`experiments.step_times`), is a step
+of the recipes' dense start after its exact ones, the fp16 cast: the top-k recipe of a run planned
+:data:`~experiments.step_times.START_PLANNED_STEPS` long, timed from step
+:data:`~gradcomp.schedule.EXACT_DENSE_STEPS` ``+ --settle`` on, each timed step checked to have sent half of
+dense's bytes and no more than dense's (groups under ``min_numel`` go whole)::
 
     ../shared/tools/quiet python -m experiments.horovod_step_times --workload charlm-small --out DIR
 """
@@ -32,7 +36,7 @@ from typing import Dict, List
 
 __all__ = ["main", "launch_times", "summarize"]
 
-METHODS = ("dense", "topk", "twobit")
+METHODS = ("dense", "topk", "twobit", "start")
 LINKS = ("unshaped", "1gbit", "100mbit", "10mbit")
 
 
@@ -44,11 +48,16 @@ def launch_times(workload: str, optimizer: str, method: str, link, args) -> List
     from experiments.study_report import read_log
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = {"workload": workload, "optimizer": optimizer, "method": method, "seed": 0, "steps": args.steps,
-            "eval_every": 0, "eval_windows": 32}
+    from experiments.step_times import START_PLANNED_STEPS
+    from gradcomp.schedule import EXACT_DENSE_STEPS
+
+    start = method == "start"  # the top-k recipe inside its dense start: its fp16 casts
+    spec = {"workload": workload, "optimizer": optimizer, "method": "topk" if start else method, "seed": 0,
+            "steps": args.steps, "eval_every": 0, "eval_windows": 32}
+    planned = START_PLANNED_STEPS if start else args.planned_steps
     with tempfile.TemporaryDirectory() as scratch:
         log_path = os.path.join(scratch, "log.jsonl")
-        command = horovodrun_command(["--study-spec", json.dumps(spec), "--planned-steps", str(args.planned_steps),
+        command = horovodrun_command(["--study-spec", json.dumps(spec), "--planned-steps", str(planned),
                                       "--code-steps", str(args.run_steps), "--log", log_path])
         env = link.env()
         env.update(PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
@@ -60,8 +69,12 @@ def launch_times(workload: str, optimizer: str, method: str, link, args) -> List
             with open(os.path.join(scratch, "out")) as output:
                 tail = output.read()[-3000:]
             raise RuntimeError(f"{method} on {link.label}: horovodrun exited with {status}\n{tail}")
-    first = args.planned_steps + args.settle
-    return [r["step_time_s"] for r in records if r.get("event") == "step" and r["step"] >= first]
+    first = (EXACT_DENSE_STEPS if start else args.planned_steps) + args.settle
+    timed = [r for r in records if r.get("event") == "step" and r["step"] >= first]
+    # a cast sends half of dense's bytes, groups under min_numel whole: less than dense's, not less than half
+    if start and not all(r["dense_bytes"] <= 2 * r["bytes_sent"] < 2 * r["dense_bytes"] for r in timed):
+        raise RuntimeError(f"start on {link.label}: a timed step was not the dense start's fp16 cast")
+    return [r["step_time_s"] for r in timed]
 
 
 def run(args) -> Dict[str, List[List[float]]]:
@@ -92,7 +105,7 @@ def summarize(times: Dict[str, List[List[float]]], args, load_before) -> List[di
         median = statistics.median(rounds)
         row = {"workload": args.workload, "optimizer": args.optimizer, "method": method, "link": link,
                "step_time": median, "spread": (max(rounds) - min(rounds)) / median, "rounds": rounds,
-               "steps_per_round": args.steps - args.planned_steps - args.settle, "load_before": load_before,
+               "steps_per_round": len(times[key][0]), "load_before": load_before,
                "integration": "horovod", "link_mode": "shared"}
         dense = medians.get(f"dense|{link}")
         if dense is not None and method != "dense":
