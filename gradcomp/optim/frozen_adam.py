@@ -125,8 +125,7 @@ class FrozenVarianceAdam:
         #: ``exchange="momentum"``: this rank's first moment per parameter name (float32, flat).
         self.moments: Dict[Hashable, torch.Tensor] = {}
         self._pending: Dict[Tuple[Hashable, ...], List[Tuple[Hashable, torch.Tensor]]] = {}
-        # Gradients cleared so that the optimizer's own step skips their parameters, put back after it.
-        self._cleared: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._cleared: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []  # skipped by the optimizer's step, put back
         #: When the variance freezes: ``freeze_step``, or later while the learning rate rises (``latest_freeze``).
         self.gate = FreezeGate(freeze_step, latest_freeze, freeze_cost)
         # after_closure: in optimizer.step(closure) this step's gradients exist only after the closure.
