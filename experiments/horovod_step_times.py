@@ -45,12 +45,11 @@ def launch_times(workload: str, optimizer: str, method: str, link, args) -> List
     (a :class:`experiments.netem.Link`); raises ``RuntimeError`` when the launch fails."""
     from experiments import launch
     from experiments.horovod_train import horovodrun_command
-    from experiments.study_report import read_log
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     from experiments.step_times import START_PLANNED_STEPS
+    from experiments.study_report import read_log
     from gradcomp.schedule import EXACT_DENSE_STEPS
 
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     start = method == "start"  # the top-k recipe inside its dense start: its fp16 casts
     spec = {"workload": workload, "optimizer": optimizer, "method": "topk" if start else method, "seed": 0,
             "steps": args.steps, "eval_every": 0, "eval_windows": 32}
