@@ -337,7 +337,7 @@ class FrozenVarianceAdam:
         first = next(iter(self.names.values()), None)
         if self.guard is None or self.suspended and first is not None and self._steps_done(first) % SUSPENDED_STRIDE:
             return None
-        grads, denoms, live = [], [], {}  # live: (bias correction, eps) -> where Adam's own denominators go
+        grads, denoms, live, frozen = [], [], {}, False  # live: (bias correction, eps) -> where Adam's own go
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 steps = self._steps_done(param) if param.grad is not None else 0
@@ -345,11 +345,11 @@ class FrozenVarianceAdam:
                     continue
                 grads.append(param.grad)
                 if not self.suspended and self.compresses_at(steps):
+                    frozen = True
                     denoms.append(self._denom(param, group))
                 else:
                     live.setdefault((1 - group["betas"][1] ** steps, group["eps"]), []).append(len(denoms))
                     denoms.append(self.optimizer.state[param]["exp_avg_sq"])
-        frozen = len(denoms) > sum(len(where) for where in live.values())
         for (bias, eps), where in live.items():
             for at, denom in zip(where, live_denominators([denoms[at] for at in where], bias, eps)):
                 denoms[at] = denom
