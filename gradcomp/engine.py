@@ -61,8 +61,7 @@ from gradcomp.agreement import AGREEMENT_FIELDS, SettingsMismatchError
 from gradcomp.checkpoint import STATE_FORMAT
 from gradcomp.compressors.base import FLOAT_DTYPES, Compressor
 from gradcomp.error_feedback import ErrorFeedback
-from gradcomp.exchanges import Exchange, ExchangeContext
-from gradcomp.payload import Payload
+from gradcomp.exchanges import Exchange, ExchangeContext, Handle
 from gradcomp.settings import DEFAULT_MIN_NUMEL
 from gradcomp.telemetry import Telemetry
 from gradcomp.transport import Transport
@@ -73,33 +72,6 @@ logger = logging.getLogger(__name__)
 
 #: How a group's parameters share a compressed payload (see :class:`Engine`).
 GRANULARITIES = ("parameter", "bucket")
-
-
-class Handle:
-    """One group's exchange in flight, from :meth:`Engine.start` to :meth:`Engine.finish`: filled by the
-    engine and the group's exchange, opaque to adapters but for ``work`` (what the transport returned)
-    and ``exchange`` (which exchange carries the group)."""
-
-    __slots__ = ("group", "keys", "numels", "grad", "exchange", "compressor", "payload", "wire", "work", "scale",
-                 "started", "compress_s")
-
-    def __init__(self, group, keys, numels, grad, exchange, compressor=None):
-        self.group: Hashable = group
-        self.keys: Tuple[Hashable, ...] = keys
-        self.numels: Tuple[int, ...] = numels
-        self.grad: torch.Tensor = grad  # the flat gradient; receives the average
-        self.exchange = exchange  # the gradcomp.exchanges.Exchange that carries the group
-        self.compressor: Optional[Compressor] = compressor  # None or the schedule's on a dense step
-        self.payload: Optional[Payload] = None  # what the exchange compressed (a transform reads it)
-        self.wire: Optional[torch.Tensor] = None  # the tensor handed to the collective
-        self.work = None  # the transport's work object (a Future on DDP, a Horovod handle)
-        self.scale = 1.0  # the loss scale the gradient arrived in (see Engine(grad_scaler=))
-        self.started = 0.0  # time.perf_counter() when the engine began the group's step
-        self.compress_s: Optional[float] = None  # compression seconds, where the exchange measures them
-
-    @property
-    def mode(self) -> str:  # the exchange's registered name, as stats() reports it
-        return self.exchange.name
 
 
 class Engine:
@@ -166,6 +138,7 @@ class Engine:
                                  f"({held.no_transform_reason}); use exchange={exchanges.DEFAULT!r}")
         self.transport = transport
         self._chosen: Dict[tuple, tuple] = {}  # exchange_for's answers
+        self._held_context: Optional[ExchangeContext] = None
         self.residual_memory = ErrorFeedback()
         self.telemetry = Telemetry()
         self._step_compressor: Tuple[int, Optional[Compressor]] = (-1, None)
@@ -211,7 +184,7 @@ class Engine:
         transport) and the exchanges are asked once, not at every step."""
         if compressor is not None and (dtype not in FLOAT_DTYPES or numel < self.min_numel):
             compressor = None
-        key = (id(compressor), numel, dtype, str(device), id(self.transport))
+        key = (id(compressor), numel, dtype, device, id(self.transport))
         held = self._chosen.get(key)
         if held is not None and held[0] is compressor and held[1] is self.transport:  # not a reused id
             return held[2]
@@ -237,7 +210,7 @@ class Engine:
             numels: their element counts (sum ``n``).
             group: a name for telemetry and error messages (DDP: the bucket index).
         """
-        keys, numels = tuple(keys), tuple(int(n) for n in numels)
+        keys, numels = tuple(keys), tuple(map(int, numels))
         if sum(numels) != grad.numel():
             raise RuntimeError(f"group {group!r}: the gradient has {grad.numel()} elements, "
                                f"its parameters {sum(numels)}")
@@ -280,8 +253,12 @@ class Engine:
         return average
 
     def _context(self) -> ExchangeContext:
-        """The narrow view of this engine that an exchange gets (the transport may be set late)."""
-        return ExchangeContext(self.transport, self.backend, self.telemetry.record)
+        """The narrow view of this engine that an exchange gets (kept until the transport, which may be set late,
+        or the backend changes)."""
+        held = self._held_context
+        if held is None or held.transport is not self.transport or held.backend != self.backend:
+            held = self._held_context = ExchangeContext(self.transport, self.backend, self.telemetry.record)
+        return held
 
     def _compensate(self, handle: Handle, source: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """The group's residual buffers ``(e, e')`` for a compressor that keeps residuals; otherwise
@@ -311,8 +288,9 @@ class Engine:
         pass through the momentum a second time."""
         grad = handle.grad
         if handle.exchange.sends_gradient:
-            if self.transform is not None:
-                grad.copy_(self.transform.dense(handle.keys, handle.numels, grad.float()))
+            sent = grad if self.transform is None else self.transform.dense(handle.keys, handle.numels, grad.float())
+            if sent is not grad:  # a suspended stage sends the gradient itself: no copy
+                grad.copy_(sent)
             return grad
         if not self._compression_logged:
             self._compression_logged = True
@@ -388,13 +366,12 @@ class Engine:
 
     def prepare_load(self, state_dict, parameter_numels: Optional[Mapping[str, int]] = None,
                      unknown_residuals: str = "raise") -> Callable[[], None]:
-        """Validate :meth:`state_dict`'s output and return the function that assigns it
-        (:func:`gradcomp.checkpoint.prepare_load`)."""
+        """Validate :meth:`state_dict`'s output; return what assigns it (:func:`gradcomp.checkpoint.prepare_load`)."""
         return checkpoint.prepare_load(self, state_dict, parameter_numels, unknown_residuals)
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["transport"] = None  # process groups and Horovod handles do not cross processes
-        state["_chosen"] = {}  # it holds the transport too
+        state["_chosen"], state["_held_context"] = {}, None  # they hold the transport too
         return state
 

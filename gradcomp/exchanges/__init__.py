@@ -15,11 +15,11 @@ decorated with ``@exchange_name("...")``.
 import importlib
 import pkgutil
 
-from gradcomp.exchanges.base import Exchange, ExchangeContext, average_gathered, compress_group
+from gradcomp.exchanges.base import Exchange, ExchangeContext, Handle, average_gathered, compress_group
 from gradcomp.exchanges.registry import DEFAULT, chain, check_selectable, exchange_name, get, names
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["Exchange", "ExchangeContext", "average_gathered", "compress_group", "DEFAULT", "chain",
+__all__ = ["Exchange", "ExchangeContext", "Handle", "average_gathered", "compress_group", "DEFAULT", "chain",
            "check_selectable", "exchange_name", "get", "names"]

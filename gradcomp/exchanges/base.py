@@ -30,7 +30,7 @@ exchange decides the commit for every rank alike in :meth:`Exchange.accept`.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Callable, ClassVar, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, ClassVar, Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,10 +40,9 @@ from gradcomp.validation import all_finite
 
 if TYPE_CHECKING:  # annotations only: the engine and gradcomp.transport import this package
     from gradcomp.costmodel import Cluster, Cost, Kernels
-    from gradcomp.engine import Handle
     from gradcomp.transport import Transport
 
-__all__ = ["Exchange", "ExchangeContext", "compress_group", "average_gathered", "payload_is_gradient"]
+__all__ = ["Exchange", "ExchangeContext", "Handle", "compress_group", "average_gathered", "payload_is_gradient"]
 
 
 class ExchangeContext(NamedTuple):
@@ -60,6 +59,33 @@ class ExchangeContext(NamedTuple):
     transport: "Transport"
     backend: Optional[str]
     record: Callable[..., None]
+
+
+class Handle:
+    """One group's exchange in flight, from :meth:`gradcomp.engine.Engine.start` to its ``finish``: filled by the
+    engine and the group's exchange, opaque to adapters but for ``work`` (what the transport returned)
+    and ``exchange`` (which exchange carries the group)."""
+
+    __slots__ = ("group", "keys", "numels", "grad", "exchange", "compressor", "payload", "wire", "work", "scale",
+                 "started", "compress_s")
+
+    def __init__(self, group, keys, numels, grad, exchange, compressor=None):
+        self.group: Hashable = group
+        self.keys: Tuple[Hashable, ...] = keys
+        self.numels: Tuple[int, ...] = numels
+        self.grad: torch.Tensor = grad  # the flat gradient; receives the average
+        self.exchange = exchange  # the gradcomp.exchanges.Exchange that carries the group
+        self.compressor: Optional[Compressor] = compressor  # None or the schedule's on a dense step
+        self.payload: Optional[Payload] = None  # what the exchange compressed (a transform reads it)
+        self.wire: Optional[torch.Tensor] = None  # the tensor handed to the collective
+        self.work = None  # the transport's work object (a Future on DDP, a Horovod handle)
+        self.scale = 1.0  # the loss scale the gradient arrived in (see Engine(grad_scaler=))
+        self.started = 0.0  # time.perf_counter() when the engine began the group's step
+        self.compress_s: Optional[float] = None  # compression seconds, where the exchange measures them
+
+    @property
+    def mode(self) -> str:  # the exchange's registered name, as stats() reports it
+        return self.exchange.name
 
 
 class Exchange(abc.ABC):
@@ -122,7 +148,7 @@ class Exchange(abc.ABC):
         travel whole."""
         return compressor
 
-    def compress(self, context: ExchangeContext, handle: "Handle", source: torch.Tensor,
+    def compress(self, context: ExchangeContext, handle: Handle, source: torch.Tensor,
                  residuals: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Make the group's payload: by default ``handle.compressor`` over the whole group.
 
@@ -137,23 +163,23 @@ class Exchange(abc.ABC):
         handle.wire = handle.payload.buffer
 
     @abc.abstractmethod
-    def start(self, context: ExchangeContext, handle: "Handle") -> None:
+    def start(self, context: ExchangeContext, handle: Handle) -> None:
         """Record the group in the telemetry and launch its collective (``handle.work``); never waits."""
 
     @abc.abstractmethod
-    def finish(self, context: ExchangeContext, handle: "Handle", result: torch.Tensor) -> torch.Tensor:
+    def finish(self, context: ExchangeContext, handle: Handle, result: torch.Tensor) -> torch.Tensor:
         """Validate ``result`` (the collective's output), write the average into ``handle.grad`` and
         return what received it, in the gradient's dtype. Raises
         :class:`~gradcomp.validation.PayloadError` naming the sender before anything is written."""
 
-    def accept(self, context: ExchangeContext, handle: "Handle", average: torch.Tensor):
+    def accept(self, context: ExchangeContext, handle: Handle, average: torch.Tensor):
         """Whether the step of ``handle``'s group commits its residuals (a bool or a 0-d device tensor,
         the same on every rank): by default whether ``average`` (what :meth:`finish` returned, in the
         gradient's dtype) is finite, which every rank decides alike because it decoded the same bytes.
         Called by the engine after :meth:`finish`, for groups that keep residuals or run a transform."""
         return all_finite(average)
 
-    def commit(self, context: ExchangeContext, handle: "Handle", accept) -> None:
+    def commit(self, context: ExchangeContext, handle: Handle, accept) -> None:
         """Commit this exchange's own state of the step if ``accept`` (a bool or a 0-d device tensor,
         decided by the engine from :meth:`finish`'s result); called for an exchange that keeps state
         (:attr:`state_key`), when the group kept residuals."""
