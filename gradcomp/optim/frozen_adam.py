@@ -311,7 +311,7 @@ class FrozenVarianceAdam:
         optimizer = self.optimizer
         self._cleared = []
         factor = self._guard_factor()
-        for index, group in enumerate(optimizer.param_groups):
+        for index, group in enumerate(optimizer.param_groups if not self.suspended else ()):  # suspended: none frozen
             params = [p for p in group["params"] if p.grad is not None and self.frozen(p)]
             if not params:
                 continue

@@ -33,10 +33,11 @@ SPIKE_Z = 2.5
 SPIKE_SKIP = 3
 #: While a policy keeps the stage suspended (every group dense, Adam's variance live: nothing for the guard to
 #: scale) it observes one optimizer step in this many, so that its averages stay current for the steps after a
-#: resume at an eighth of the cost: reading every parameter's gradient over Adam's denominator took about 1.5 ms of
-#: charlm-small's 34 ms dense step (437,760 elements, one thread; a harness under ``heavy``, a share, not a quiet
-#: timing), most of what ``Auto`` added to a dense step.
-SUSPENDED_STRIDE = 8
+#: resume (a resume comes at a policy's recheck, every 100 steps by default: three observations between two) at a
+#: 32nd of the cost: reading every parameter's gradient over Adam's denominator took about 1.5 ms of charlm-small's
+#: 34 ms dense step (437,760 elements, one thread; a harness under ``heavy``, a share, not a quiet timing), most of
+#: what ``Auto`` added to a dense step; one step in 8 still cost 0.25 ms of thread CPU a step.
+SUSPENDED_STRIDE = 32
 
 
 class SpikeGuard:
