@@ -26,7 +26,8 @@ so that those steps cost what dense training's (or torch's fp16 hook's) do.
 Re-decisions: a group first seen later (DDP rebuilt its buckets) is decided when it first appears;
 every ``recheck_every`` steps the ranks share how measured exchange times compare with the
 predictions, and if the link looks slower or faster by more than ``link_margin`` its bandwidth is
-rescaled and every group is decided again.
+rescaled and every group is decided again; while every group is dense, only if slower, and by enough that
+the steps a trial measured for a rejected choice would win (:meth:`~gradcomp.step_trial.StepTrial.would_win`).
 
 Invalid measurements (NaN, infinite or negative, e.g. from a faulty clock or hook) never make one
 rank raise inside the policy's collectives: each is shared as "missing" and every rank drops the
@@ -379,16 +380,18 @@ class Auto:
     def _recheck(self, engine) -> None:
         """Share how measured exchange times compare with the predictions; rescale the link and
         decide every group again when they differ by more than ``link_margin`` (while every group is
-        dense, only when the link got slower)."""
+        dense, only when the link got slower, by enough that a rejected choice's measured steps would win)."""
         self._last_check = engine.step
         local = statistics.median(self._ratios) if self._ratios else 1.0
         self._ratios.clear()
         ratio = _fastest(self._gather(engine, [local]))[0]  # the least-waiting rank, as for the link
         if not math.isfinite(ratio) or ratio <= 0 or 1 / (1 + self.link_margin) <= ratio <= 1 + self.link_margin:
             return
-        if ratio < 1 and self._all_dense():
-            # Every group is dense, and a faster link only makes dense better: deciding again would buy
-            # nothing but another trial of slower steps (on a noisy CPU the ratio swings either way).
+        if self._all_dense() and (ratio < 1 or not self._trial.would_win(
+                (ratio - 1) * sum(d["predicted_comm_s"] for d in self.decisions.values()))):
+            # A faster link only makes dense better, and one slower by too little to turn the steps a trial
+            # measured too: deciding again would buy another trial of slower steps (a noisy CPU swings the
+            # exchange's time either way: the main job's unshaped loopback once seemed 1.5x slower).
             return
         logger.info("gradcomp.Auto: exchanges take %.2fx the predicted time; deciding again", ratio)
         self.link = costmodel.Link(self.link.latency_s * ratio, self.link.bandwidth / ratio)

@@ -55,6 +55,8 @@ class StepTrial:
         self._seconds: Dict[int, float] = {}     # step -> seconds, the running trial's timed steps
         #: The last verdict: ``{"dense_step_s", "compressed_step_s", "paired_ratio", "kept"}`` or ``None``.
         self.verdict: Optional[Dict[str, object]] = None
+        #: The verdict of least paired ratio among those that kept nothing since the last :meth:`restart`.
+        self.best_rejected: Optional[Dict[str, object]] = None
 
     # -- per step --------------------------------------------------------------------------
     def new_step(self, step: int, hook: Optional[Callable[[str, float], float]] = None) -> None:
@@ -116,9 +118,24 @@ class StepTrial:
         kept = math.isfinite(ratio) and ratio <= 1 - self.margin
         self.verdict = {"dense_step_s": dense_s, "compressed_step_s": compressed_s, "paired_ratio": ratio,
                         "kept": kept}
+        if not kept and math.isfinite(ratio) and (self.best_rejected is None
+                                                  or ratio < self.best_rejected["paired_ratio"]):
+            self.best_rejected = dict(self.verdict)
         self._first, self._seconds = None, {}
         return kept
 
+    def would_win(self, slower_by_s: float) -> bool:
+        """Whether the rejected choice that came closest (:attr:`best_rejected`) would now be kept, were its
+        trial's dense steps ``slower_by_s`` longer (a link slower since: dense's exchanges take that much more)
+        and its compressed steps as they were (what they send is a fraction of it). ``True`` where no measured
+        rejection is held: nothing measured speaks against deciding again."""
+        best = self.best_rejected
+        if best is None or not math.isfinite(best["dense_step_s"]) or not math.isfinite(slower_by_s):
+            return True
+        dense_s = best["dense_step_s"]
+        return best["paired_ratio"] * dense_s <= (1 - self.margin) * (dense_s + max(slower_by_s, 0.0))
+
     def restart(self, step: int) -> None:
-        """The link changed at ``step``: a running trial measured the old one, and is dropped."""
-        self._first, self._seconds = None, {}
+        """The link changed at ``step``: a running trial measured the old one, and is dropped (and so are the
+        rejections, :attr:`best_rejected`)."""
+        self._first, self._seconds, self.best_rejected = None, {}, None

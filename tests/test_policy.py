@@ -167,6 +167,24 @@ def test_after_a_dense_verdict_a_faster_link_decides_nothing_again(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.parametrize("exchange_s, compressed_after", [(6.0, []), (60.0, [10, 13, 16])])
+def test_after_a_dense_verdict_a_slower_link_decides_again_only_if_the_trials_steps_would_win(
+        tmp_path, exchange_s, compressed_after):
+    # Top-k's trial measured its steps at 120 s against dense's 100 s: every group dense at step 9. The exchanges
+    # then take exchange_s against the 4.0 s and 2.0 s predicted. 6 s: at the check at step 10 the link looks 2.3x
+    # slower, dense's steps ~8 s longer, still faster than top-k's 120 s: dense stays, no second trial of slower
+    # steps. 60 s: 23x slower, dense's steps ~130 s longer: decided again, a second trial (compressed at 10-16).
+    steps = [{"uncompressed": 100.0, "compressed": 120.0}, {"uncompressed": 100.0, "compressed": 120.0}]
+    results = multiprocess.spawn(workers.auto_worker, 2, str(tmp_path), [3.0, 5.0], [1.0, 1.0], 20, 8,
+                                 steps, 2, exchange_s, ("topk:0.01",), timeout_s=240)
+    check_agreement_and_replicas(results)
+    compressed = [i for i, step in enumerate(results[0]["modes"]) if any(m == "allgather" for m in step.values())]
+    assert compressed == [2, 5, 8] + compressed_after, results[0]["modes"]
+    assert results[0]["policy"]["rejected"] == results[1]["policy"]["rejected"] == ["topk:0.01"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_compression_the_steps_measure_faster_is_kept(tmp_path):
     steps = [{"uncompressed": 1.0, "compressed": 0.3}, {"uncompressed": 1.2, "compressed": 0.4}]
     results = run_trial(tmp_path, steps)
@@ -291,6 +309,19 @@ def test_a_link_change_drops_the_running_trial():
     assert trial.arm(2) is None and not trial.due(20)
     trial.begin(2)  # decided again: a trial from scratch
     assert trial.arm(3) == "flush" and not trial.due(8) and trial.due(9)
+
+
+def test_a_rejected_trial_would_win_only_on_a_link_slower_by_enough():
+    trial = StepTrial(2, 0.05)
+    assert trial.would_win(0.0)  # nothing measured: nothing speaks against deciding again
+    drive(trial, 10, decide_at=1, dense_s=1.0, compressed_s=1.2)
+    assert trial.verdict["kept"] is False and trial.best_rejected == trial.verdict
+    # Compressed steps of 1.2 s win by the 5 % margin once dense's take 1.2 / 0.95 = 1.263 s.
+    assert not trial.would_win(0.0) and not trial.would_win(0.25) and trial.would_win(0.27)
+    drive(trial, 10, decide_at=1, dense_s=1.0, compressed_s=1.5)  # a worse choice: the closer one stays
+    assert trial.best_rejected["paired_ratio"] == pytest.approx(1.2)
+    trial.restart(10)  # the link changed: the rejections measured the old one
+    assert trial.best_rejected is None and trial.would_win(0.0)
 
 
 def test_an_unmeasured_arm_keeps_the_group_dense():
