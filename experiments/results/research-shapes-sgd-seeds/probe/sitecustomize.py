@@ -7,6 +7,7 @@ directory), and nothing when unset::
     GC_HEAD=N     every step before N dense (the plan's own schedule after it)
     GC_DECAY=X    3-bit's residual decay under SGD (the recipe's RESIDUAL_DECAY, 0.9) set to X
     GC_NODELAY=1  top-k's momentum not shortened on compressed steps (DelayedMomentumSGD's delay 0)
+    GC_GRANULARITY=G  the engine's granularity the plan asks for set to G ("parameter": top-k per parameter)
 """
 import os
 
@@ -33,3 +34,7 @@ if os.environ.get("GC_NODELAY"):
         init(self, optimizer, named_parameters, 0.0, step_hook)
 
     delayed.DelayedMomentumSGD.__init__ = undelayed
+if os.environ.get("GC_GRANULARITY"):
+    import gradcomp.recipe as recipe_granularity
+
+    recipe_granularity._granularity = lambda optimizer, compressor: os.environ["GC_GRANULARITY"]
