@@ -4,7 +4,9 @@ Usage, from the repository root: ``python experiments/results/research-shapes-sg
 study's rows (``experiments/results/convergence/convergence.json``, seeds 0-2) and this directory's
 (``convergence.json``: more seeds, and torch's fp16 hook as a control), and prints one row per seed: dense's final
 held-out loss and accuracy and how far its own last five evaluations spread; per method its final loss against
-dense's, its best evaluation, and the first step it reaches the time-to-accuracy target (``never`` if none).
+dense's, its best evaluation, and the first step it reaches the time-to-accuracy target (``never`` if none). Then
+where the runs part from dense: per seed and method, the median ratio of its held-out loss to dense's at the same
+evaluation, in windows of :data:`WINDOW` evaluations.
 """
 import json
 import os
@@ -15,6 +17,8 @@ SOURCES = (os.path.join(HERE, "..", "convergence", "convergence.json"), os.path.
 METHODS = ("topk", "twobit", "fp16")
 #: The time-to-accuracy target: dense's final held-out loss times this (experiments.time_to_accuracy).
 TARGET = 1.02
+#: Evaluations per window of the second table (the study evaluates every 12 steps: 120 steps a window).
+WINDOW = 10
 
 
 def rows() -> dict:
@@ -56,6 +60,24 @@ def main() -> None:
         print(f"| {seed} | " + " | ".join(cells) + " |")
     print("\nmedian final loss against dense: " + ", ".join(
         f"{m} {statistics.median(g):+.1%} ({len(g)} seeds)" for m, g in gaps.items() if g))
+    windows(found)
+
+
+def windows(found: dict) -> None:
+    """Per seed and method, the median of held-out loss / dense's at the same evaluation, window by window."""
+    dense_evals = {seed: row["evals"] for (seed, method), row in found.items() if method == "dense"}
+    count = min(len(evals) for evals in dense_evals.values()) // WINDOW
+    steps = [dense_evals[min(dense_evals)][i * WINDOW][0] for i in range(count)]
+    print("\n| seed | method | " + " | ".join(f"from step {step}" for step in steps) + " |")
+    print("|---|---|" + "---|" * count)
+    for seed in sorted(dense_evals):
+        for method in METHODS:
+            row = found.get((seed, method))
+            if row is None:
+                continue
+            ratios = [loss / dense[2] for (_, _, loss), dense in zip(row["evals"], dense_evals[seed])]
+            medians = [statistics.median(ratios[i * WINDOW:(i + 1) * WINDOW]) for i in range(count)]
+            print(f"| {seed} | {method} | " + " | ".join(f"{m:.2f}" for m in medians) + " |")
 
 
 if __name__ == "__main__":
