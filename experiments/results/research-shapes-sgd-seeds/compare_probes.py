@@ -7,7 +7,7 @@ import json
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = (os.path.join(HERE, "..", "convergence", "convergence.json"), os.path.join(HERE, "convergence.json"))
+SOURCES = (os.path.join(HERE, "convergence.json"),)
 
 
 def main() -> None:

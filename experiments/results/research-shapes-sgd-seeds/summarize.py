@@ -13,7 +13,7 @@ import os
 import statistics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = (os.path.join(HERE, "..", "convergence", "convergence.json"), os.path.join(HERE, "convergence.json"))
+SOURCES = (os.path.join(HERE, "convergence.json"),)
 METHODS = ("topk", "twobit", "fp16")
 #: The time-to-accuracy target: dense's final held-out loss times this (experiments.time_to_accuracy).
 TARGET = 1.02

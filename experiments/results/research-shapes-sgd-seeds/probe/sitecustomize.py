@@ -8,6 +8,7 @@ directory), and nothing when unset::
     GC_DECAY=X    3-bit's residual decay under SGD (the recipe's RESIDUAL_DECAY, 0.9) set to X
     GC_NODELAY=1  top-k's momentum not shortened on compressed steps (DelayedMomentumSGD's delay 0)
     GC_GRANULARITY=G  the engine's granularity the plan asks for set to G ("parameter": top-k per parameter)
+    GC_TRACE=DIR  each group's averaged gradient and residual norms at every step, to DIR/trace-PID.jsonl
 """
 import os
 
@@ -38,3 +39,20 @@ if os.environ.get("GC_GRANULARITY"):
     import gradcomp.recipe as recipe_granularity
 
     recipe_granularity._granularity = lambda optimizer, compressor: os.environ["GC_GRANULARITY"]
+if os.environ.get("GC_TRACE"):
+    import json
+
+    import gradcomp.engine as engine_module
+
+    commit = engine_module.Engine._commit
+    trace = open(os.path.join(os.environ["GC_TRACE"], f"trace-{os.getpid()}.jsonl"), "a")
+
+    def traced(self, context, handle, average):
+        commit(self, context, handle, average)
+        squares = [float(r.float().pow(2).sum()) for r in map(self.residual_memory.residual, handle.keys)
+                   if r is not None]
+        trace.write(json.dumps({"engine": id(self), "step": self.step, "group": str(handle.group),
+                                "average": float(average.float().norm()), "residual": sum(squares) ** 0.5,
+                                "compressor": repr(handle.compressor)}) + "\n")
+
+    engine_module.Engine._commit = traced
