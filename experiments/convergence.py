@@ -39,7 +39,9 @@ Outputs in ``--out`` (:mod:`experiments.study_report`):
   ``steps``, ``buckets``, ``engine``, ``evals`` (``[step, time, held-out loss]`` every 2% of the
   run), ``final_loss``, ``final_accuracy`` (classifiers), ``bytes_total`` (bytes rank 0 handed to
   collectives over the run, dense start included), ``dense_bytes_total``, ``compression``,
-  ``gap_to_dense`` (final loss / dense's - 1, same workload, optimizer, seed), ``accuracy_gap``;
+  ``gap_to_dense`` (final loss / dense's - 1, same workload, optimizer, seed), ``accuracy_gap``,
+  ``code`` and ``machine`` (:mod:`experiments.fingerprint`: which code and which machine made the run) and
+  ``same_machine_as_dense`` (a gap across machines is said so in ``convergence.md``: runs part between them);
 * ``convergence.md``: the cells (median over seeds) and every run; ``*_loss_vs_step.png``.
 
 Modes: the full study (every workload x optimizer x {dense, topk, twobit}, seeds ``--seeds``; a

@@ -46,7 +46,7 @@ class StudyRun(Run):
         from experiments import fingerprint
 
         return {**asdict(self.args.spec), "buckets": BUCKETS, "engine": "ddp", "loop": self.loop.describe(),
-                "code": fingerprint.code(),
+                "code": fingerprint.code(), "machine": fingerprint.machine(),
                 "world_size": self.world_size, "batch_size": self.batch_size,
                 "link": os.environ.get("GRADCOMP_LINK", "unshaped"), "torch": torch.__version__,
                 "params": sum(p.numel() for p in self.net.parameters())}

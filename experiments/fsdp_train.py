@@ -144,7 +144,7 @@ class FsdpRun(Run):
 
         job = self.args.job
         return {**job["describe"], "parallel": "fsdp", "engine": "fsdp", "buckets": "fsdp modules",
-                "code": fingerprint.code(),
+                "code": fingerprint.code(), "machine": fingerprint.machine(),
                 "recipe": self.recipe, "residuals": {k: str(v) for k, v in job["residuals"].items()},
                 "world_size": self.world_size, "kernel_warmup_s": self.kernel_warmup_s, "batch_size": self.batch_size,
                 "loop": self.loop.describe(), "link": os.environ.get("GRADCOMP_LINK", "unshaped"),

@@ -264,7 +264,8 @@ class HorovodRun(Run):
 
             plan = getattr(self.optimizer, "recipe", None)
             return {**self.args.suite_spec, "buckets": "per parameter", "engine": "horovod", "parallel": "horovod",
-                    "code": fingerprint.code(), "loop": self.loop.describe(), "world_size": self.world_size,
+                    "code": fingerprint.code(), "machine": fingerprint.machine(),
+                    "loop": self.loop.describe(), "world_size": self.world_size,
                     "batch_size": self.batch_size, "link": os.environ.get("GRADCOMP_LINK", "unshaped"),
                     "torch": torch.__version__,
                     "planned_steps": self.args.planned_steps, "recipe": plan.summary if plan is not None else None,

@@ -85,7 +85,8 @@ def run(spec, log_path: str, world_size: int = 2) -> None:
             log.flush()
 
         emit({"event": "config", **asdict(spec), "engine": "simulation", "buckets": "default",
-              "code": fingerprint.code(), "world_size": world_size, "batch_size": workload.default_batch_size,
+              "code": fingerprint.code(), "machine": fingerprint.machine(),
+              "world_size": world_size, "batch_size": workload.default_batch_size,
               "loop": loop.describe(), "torch": torch.__version__, "link": None,
               "params": sum(p.numel() for p in sim.replicas[0].parameters())})
         _evaluate(sim, workload, -1, 0.0, emit)

@@ -61,6 +61,7 @@ def summarize(spec, path: str) -> Optional[dict]:
         "engine": config.get("engine", "ddp"),
         "parallel": config.get("parallel", "ddp"),
         "code": config.get("code"),
+        "machine": config.get("machine"),  # None in logs from before experiments.fingerprint.machine
         "final_loss": final["eval_loss"],
         "final_accuracy": final.get("accuracy"),
         "bytes_total": bytes_total,
@@ -101,7 +102,8 @@ def _is_cast(step: dict) -> bool:
 
 def add_dense_comparisons(rows: List[dict]) -> None:
     """``time_to_dense_loss_s`` and ``gap_to_dense`` against the dense run of the same
-    workload, optimizer, seed, steps and parallelism (DDP or FSDP)."""
+    workload, optimizer, seed, steps and parallelism (DDP or FSDP), and ``same_machine_as_dense``: whether one
+    machine made both (``None`` where either row does not say; :func:`experiments.fingerprint.machine`)."""
     def cell(r):  # FSDP runs compare with FSDP's dense
         return r["workload"], r["optimizer"], r["seed"], r["steps"], r.get("parallel", "ddp")
 
@@ -112,8 +114,11 @@ def add_dense_comparisons(rows: List[dict]) -> None:
         row["gap_to_dense"] = None
         row["time_vs_dense"] = None
         row["accuracy_gap"] = None
+        row["same_machine_as_dense"] = None
         if reference is None:
             continue
+        if row.get("machine") and reference.get("machine"):
+            row["same_machine_as_dense"] = row["machine"] == reference["machine"]
         target = reference["final_loss"]
         row["gap_to_dense"] = row["final_loss"] / target - 1
         if row.get("final_accuracy") is not None and reference.get("final_accuracy") is not None:
@@ -130,6 +135,12 @@ def _fmt(value, pattern="{:.3f}") -> str:
     return "–" if value is None else pattern.format(value)
 
 
+def _gap(row: dict) -> str:
+    """The gap to dense, said to be across machines where it is (a run parts from another machine's)."""
+    gap = _fmt(row["gap_to_dense"], "{:+.1%}")
+    return gap + " (dense: another machine)" if row.get("same_machine_as_dense") is False else gap
+
+
 def markdown(rows: List[dict]) -> str:
     """Every run: final held-out loss (and accuracy), the gap to dense, the bytes."""
     lines = ["| workload | optimizer | method | seed | steps | final loss | gap to dense | accuracy | "
@@ -137,7 +148,7 @@ def markdown(rows: List[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['workload']} | {r['optimizer']} | {r['method']} | {r['seed']} | {r['steps']} | "
-            f"{_fmt(r['final_loss'])} | {_fmt(r['gap_to_dense'], '{:+.1%}')} | {_fmt(r['final_accuracy'], '{:.3f}')} | "
+            f"{_fmt(r['final_loss'])} | {_gap(r)} | {_fmt(r['final_accuracy'], '{:.3f}')} | "
             f"{_fmt(r['compression'], '{:.1f}x')} | {r['engine']} |")
     return "\n".join(lines) + "\n"
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from experiments import fingerprint
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {"workload", "optimizer", "method", "seed", "steps", "final_loss", "final_accuracy", "bytes_total",
           "dense_bytes_total", "time_to_dense_loss_s"}
@@ -36,6 +38,10 @@ def test_rows_have_the_documented_fields_and_names(quick_study):
         assert FIELDS <= set(row)
         assert row["optimizer"] in ("adamw", "sgdm")
         assert row["steps"] == 12 and row["final_loss"] > 0 and row["final_accuracy"] is None
+        assert row["machine"] == fingerprint.machine()  # the ranks' config record says which machine ran them
+    by = {(r["optimizer"], r["method"]): r for r in rows}
+    assert by[("sgdm", "topk")]["same_machine_as_dense"] is True
+    assert by[("adamw", "twobit")]["same_machine_as_dense"] is None  # no dense run of its cell
 
 
 def test_bytes_and_dense_comparison(quick_study):

@@ -61,3 +61,21 @@ def test_aggregate_keeps_the_rows_whose_log_is_gone_and_rebuilds_those_whose_log
     rows = aggregate(str(tmp_path), specs, convergence.RunSpec, convergence.METHODS.index)
     assert sorted((r["seed"], r["final_loss"]) for r in rows) == [(0, 1.5), (1, 3.0)]
     assert all(r["code"] == fingerprint.code() for r in rows)
+
+
+def test_the_machine_fingerprint_is_stable_and_a_gap_across_machines_says_so():
+    from experiments.study_report import _gap, add_dense_comparisons
+
+    assert len(fingerprint.machine()) == 16 and int(fingerprint.machine(), 16) >= 0
+    assert fingerprint.machine() == fingerprint.machine()
+
+    def row(method, seed, loss, machine):
+        return {"workload": "w", "optimizer": "sgdm", "method": method, "seed": seed, "steps": 4, "final_loss": loss,
+                "final_accuracy": None, "train_time_s": 1.0, "evals": [(3, 1.0, loss)], "machine": machine}
+
+    rows = [row("dense", 0, 1.0, "a"), row("topk", 0, 1.1, "a"), row("dense", 1, 1.0, "a"), row("topk", 1, 1.2, "b"),
+            row("dense", 2, 1.0, None), row("topk", 2, 0.9, "a")]
+    add_dense_comparisons(rows)
+    assert [r["same_machine_as_dense"] for r in rows if r["method"] == "topk"] == [True, False, None]
+    assert [round(r["gap_to_dense"], 3) for r in rows if r["method"] == "topk"] == [0.1, 0.2, -0.1]
+    assert [_gap(r) for r in rows if r["method"] == "topk"] == ["+10.0%", "+20.0% (dense: another machine)", "-10.0%"]
