@@ -6,16 +6,11 @@ import glob
 import json
 import os
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = (os.path.join(HERE, "convergence.json"),)
+from summarize import HERE, rows  # this directory's runs, (seed, method) -> row (the script's directory is on the path)
 
 
 def main() -> None:
-    base = {}
-    for path in SOURCES:
-        for row in json.load(open(path)):
-            if row["workload"] == "shapes" and row["optimizer"] == "sgdm":
-                base[(row["seed"], row["method"])] = row
+    base = rows()
     print("| probe | method | seed | final loss vs dense (the recipe's) | step reaching dense x 1.02 | bytes |")
     print("|---|---|---|---|---|---|")
     for path in sorted(glob.glob(os.path.join(HERE, "probes", "*.json"))):
