@@ -11,7 +11,7 @@ the logs, any edit of code, a constant included, does not.
 
 :func:`machine` says which machine made a run: the same code and seed part on two machines whose vector units
 round differently, within a few dozen steps, and on a workload near the edge of stability end tens of percent
-apart (shapes under SGD-momentum: dense's held-out loss 0.0139 here and 0.0183 there, seed 0,
+apart (shapes under SGD-momentum: dense's held-out loss 0.0139 on one machine and 0.0183 on another, seed 0,
 ``experiments/results/research-shapes-sgd-seeds/``). So a method's run is compared with dense's of the same
 machine, or the comparison says it is not (:func:`experiments.study_report.add_dense_comparisons`).
 """
@@ -69,7 +69,7 @@ def code() -> str:
 
 @functools.lru_cache(maxsize=1)
 def machine() -> str:
-    """What rounds a run's floats here, as 16 hex digits: the CPU's model and flags (``/proc/cpuinfo``, else
+    """What rounds a run's floats on this machine, as 16 hex digits: the CPU's model and flags (``/proc/cpuinfo``, else
     :func:`platform.processor`), the vector unit torch dispatches to, and torch's version."""
     import torch
 

@@ -6,7 +6,7 @@ import glob
 import json
 import os
 
-from summarize import HERE, rows  # this directory's runs, (seed, method) -> row (the script's directory is on the path)
+from summarize import HERE, TARGET, reached, rows  # (the script's directory is on the path)
 
 
 def main() -> None:
@@ -16,8 +16,7 @@ def main() -> None:
     for path in sorted(glob.glob(os.path.join(HERE, "probes", "*.json"))):
         for row in sorted(json.load(open(path)), key=lambda r: (r["method"], r["seed"])):
             dense, recipe = base[(row["seed"], "dense")], base[(row["seed"], row["method"])]
-            target = dense["final_loss"] * 1.02
-            step = next((step for step, _, loss in row["evals"] if loss <= target), None)
+            step = reached(row, dense["final_loss"] * TARGET)
             gap, recipe_gap = (r["final_loss"] / dense["final_loss"] - 1 for r in (row, recipe))
             name = os.path.basename(path)[:-5]
             print(f"| {name} | {row['method']} | {row['seed']} | {gap:+.1%} ({recipe_gap:+.1%}) | "
