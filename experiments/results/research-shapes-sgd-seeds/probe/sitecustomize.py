@@ -9,6 +9,9 @@ directory), and nothing when unset::
     GC_NODELAY=1  top-k's momentum not shortened on compressed steps (DelayedMomentumSGD's delay 0)
     GC_GRANULARITY=G  the engine's granularity the plan asks for set to G ("parameter": top-k per parameter)
     GC_TRACE=DIR  each group's averaged gradient and residual norms at every step, to DIR/trace-PID.jsonl
+    GC_MEASURED=min|raw  top-k's momentum shortened by the delay the residual measures (Little's law: the
+                  residual's L1 mass over the gradient's per step, each averaged by GC_MEASURED_EMA, 0.9): min,
+                  the smaller of it and the density's delay; raw, it alone (GC_MEASURED_LOG=DIR: W per step)
 """
 import os
 
@@ -56,3 +59,71 @@ if os.environ.get("GC_TRACE"):
                                 "compressor": repr(handle.compressor)}) + "\n")
 
     engine_module.Engine._commit = traced
+if os.environ.get("GC_MEASURED"):
+    # DelayedMomentumSGD's delay: the smaller of the density's (delay_at) and the one the residual measures,
+    # Little's law per group: W = (EMA of the residual's L1 mass) / (EMA of the gradient's L1 mass per step).
+    # GC_MEASURED=min: min(delay_at, W); GC_MEASURED=raw: W itself (capped at the momentum's own m by stable_delay).
+    import json
+
+    import gradcomp.engine as measured_engine
+    import gradcomp.optim.delayed_momentum as measured
+
+    mode, smooth = os.environ["GC_MEASURED"], float(os.environ.get("GC_MEASURED_EMA", "0.9"))
+    stage_class = measured.DelayedMomentumSGD
+    log = (open(os.path.join(os.environ["GC_MEASURED_LOG"], f"delay-{os.getpid()}.jsonl"), "a")
+           if os.environ.get("GC_MEASURED_LOG") else None)
+    original_before, original_commit = stage_class.before_compress, measured_engine.Engine._commit
+    original_step, original_delay_at = stage_class.before_optimizer_step, measured.delay_at
+
+    def before_compress(self, keys, numels, grad, compressor):
+        self.__dict__.setdefault("_arrival", {})[tuple(keys)] = float(grad.abs().sum())
+        return original_before(self, keys, numels, grad, compressor)
+
+    def commit(self, context, handle, average):
+        original_commit(self, context, handle, average)
+        stage = self.transform
+        if not isinstance(stage, stage_class) or handle.exchange.sends_gradient:
+            return
+        keys = tuple(handle.keys)
+        arrival = stage.__dict__.get("_arrival", {}).pop(keys, None)
+        if arrival is None:
+            return
+        held = sum(float(r.abs().sum()) for r in map(self.residual_memory.residual, keys) if r is not None)
+        ema = stage.__dict__.setdefault("_ema", {})
+        old_held, old_arrival = ema.get(keys, (held, arrival))
+        ema[keys] = (smooth * old_held + (1 - smooth) * held, smooth * old_arrival + (1 - smooth) * arrival)
+        wait = ema[keys][0] / max(ema[keys][1], 1e-30)
+        for key in keys:
+            stage.__dict__.setdefault("_wait", {})[key] = wait
+        if log is not None:
+            log.write(json.dumps({"step": self.step, "group": str(handle.group), "held": held, "arrival": arrival,
+                                  "wait": wait}) + "\n")
+
+    def before_optimizer_step(self):
+        # delay_at is called once per density in the original; per parameter the wait differs, so the step
+        # runs once per distinct wait with the density's delay replaced by the chosen one.
+        waits = self.__dict__.get("_wait", {})
+        compressed = dict(self._compressed)
+        by_delay = {}
+        for key, density in compressed.items():
+            full = original_delay_at(density, self.delay_steps)
+            wait = waits.get(key, full)
+            delay = min(full, wait) if mode == "min" else wait
+            by_delay.setdefault(round(delay, 6), {})[key] = density
+        for delay, part in by_delay.items():
+            self._compressed = dict(part)
+            measured.delay_at = lambda density, steps=None, d=delay: d
+            cleared = []
+            try:
+                original_step(self)
+                cleared = self._cleared
+            finally:
+                measured.delay_at = original_delay_at
+            self.__dict__.setdefault("_all_cleared", []).extend(cleared)
+        if not by_delay:
+            original_step(self)
+        self._cleared, self.__dict__["_all_cleared"] = self.__dict__.get("_all_cleared", []), []
+
+    stage_class.before_compress = before_compress
+    stage_class.before_optimizer_step = before_optimizer_step
+    measured_engine.Engine._commit = commit
