@@ -36,6 +36,12 @@ def reached(row: dict, target: float):
     return next((step for step, _, loss in row["evals"] if loss <= target), None)
 
 
+def settled(row: dict, count: int = WINDOW) -> float:
+    """The median of ``row``'s last ``count`` held-out losses: its level at the end of the run, which one
+    evaluation at a loss of 0.01 (a few confident errors) does not give."""
+    return statistics.median([loss for step, _, loss in row["evals"] if step >= 0][-count:])
+
+
 def main() -> None:
     found = rows()
     print("| seed | dense: final loss (accuracy), last 5 evals' range | " + " | ".join(

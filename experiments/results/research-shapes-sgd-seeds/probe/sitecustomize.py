@@ -12,6 +12,8 @@ directory), and nothing when unset::
     GC_MEASURED=min|raw  top-k's momentum shortened by the delay the residual measures (Little's law: the
                   residual's L1 mass over the gradient's per step, each averaged by GC_MEASURED_EMA, 0.9): min,
                   the smaller of it and the density's delay; raw, it alone (GC_MEASURED_LOG=DIR: W per step)
+    GC_NOSTABLE=1  top-k's momentum shortened by the density's delay alone, also where the learning rate has
+                  fallen below its peak (DelayedMomentumSGD's stable_delay gives up more there)
 """
 import os
 
@@ -127,3 +129,8 @@ if os.environ.get("GC_MEASURED"):
     stage_class.before_compress = before_compress
     stage_class.before_optimizer_step = before_optimizer_step
     measured_engine.Engine._commit = commit
+if os.environ.get("GC_NOSTABLE"):
+    # DelayedMomentumSGD gives up the density's delay at every rate, not more as the rate falls below its peak.
+    import gradcomp.optim.delayed_momentum as unstable
+
+    unstable.stable_delay = lambda delay, beta, rate_ratio: max(0.0, delay)
