@@ -78,11 +78,25 @@ def convergence_table(rows: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The mark of a time ratio whose runs and dense's were made on two machines (the tables' notes say so).
+OTHER_MACHINE_MARK = "†"
+
+
 def _ratio(row) -> str:
-    """A time-to-accuracy row's time ratio as a table cell: ``–`` without a row, ``never``, or ``0.42x``."""
+    """A time-to-accuracy row's time ratio as a table cell: ``–`` without a row, ``never``, or ``0.42x``; marked
+    :data:`OTHER_MACHINE_MARK` where the row's runs and dense's were made on two machines."""
     if row is None:
         return "–"
-    return "never" if row["time_ratio_vs_dense"] is None else f"{row['time_ratio_vs_dense']:.2f}x"
+    mark = OTHER_MACHINE_MARK if row.get("same_machine_as_dense") is False else ""
+    return ("never" if row["time_ratio_vs_dense"] is None else f"{row['time_ratio_vs_dense']:.2f}x") + mark
+
+
+def _machine_note(rows: List[dict]) -> str:
+    """The note on :data:`OTHER_MACHINE_MARK`, where a row carries it (else nothing)."""
+    if not any(r.get("same_machine_as_dense") is False for r in rows):
+        return ""
+    return (f" {OTHER_MACHINE_MARK}: some seed's run and dense's run were made on two machines, whose runs of one "
+            "code and seed part (`experiments/results/research-shapes-sgd-seeds/`).")
 
 
 def _timing_facts(rows: List[dict]) -> tuple:
@@ -117,6 +131,8 @@ def time_table(rows: List[dict]) -> str:
     elif paired:
         lines.append(f"Each method's step is dense's times its ratio to dense paired step by step (the steps taken in "
                      f"turn); those ratios spread {min(paired):.1%}–{max(paired):.1%} between rounds.")
+    if _machine_note(rows):
+        lines.append(_machine_note(rows).strip())
     return "\n".join(lines) + "\n"
 
 
@@ -139,7 +155,7 @@ def study_time_table(rows: List[dict]) -> str:
     lines.append(f"\nEach cell: top-k's / 2-bit's time to the target ÷ dense's time to its own final loss (dense's "
                  f"step ÷ the step without communication). Step times: spread between rounds {min(spreads):.0%}–"
                  f"{max(spreads):.0%}, paired ratios {min(paired or [0]):.1%}–{max(paired or [0]):.1%}; load before "
-                 f"the timing run: {', '.join(loads) or 'not recorded'}.")
+                 f"the timing run: {', '.join(loads) or 'not recorded'}." + _machine_note(rows))
     return "\n".join(lines) + "\n"
 
 

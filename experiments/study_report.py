@@ -135,10 +135,14 @@ def _fmt(value, pattern="{:.3f}") -> str:
     return "–" if value is None else pattern.format(value)
 
 
+#: What a table appends to a figure whose run and dense's were made on two machines.
+OTHER_MACHINE = " (dense: another machine)"
+
+
 def _gap(row: dict) -> str:
     """The gap to dense, said to be across machines where it is (a run parts from another machine's)."""
     gap = _fmt(row["gap_to_dense"], "{:+.1%}")
-    return gap + " (dense: another machine)" if row.get("same_machine_as_dense") is False else gap
+    return gap + OTHER_MACHINE if row.get("same_machine_as_dense") is False else gap
 
 
 def markdown(rows: List[dict]) -> str:

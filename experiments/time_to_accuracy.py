@@ -16,10 +16,16 @@ link of the step-time benchmark (``step_times_*.json``, :mod:`experiments.step_t
   at the final setting is dense's times the benchmark's paired ratio to dense
   (:func:`paired_step_time`; ``step_ratio_vs_dense``, ``ratio_spread``).
 
+Runs of one code and seed part between machines (vector units round differently), so each row says
+whether its seeds' runs and dense's were made on one machine (``same_machine_as_dense``: ``True``,
+``False`` where any seed's pair names two, ``None`` where a run recorded none); the table marks ``False``.
+
 Output in ``--out``: ``time_to_accuracy.json``, one row per workload x optimizer x method x link
 with ``workload, optimizer, method, link, steps_to_target, step_time, spread, load_before,
-step_ratio_vs_dense, ratio_spread, time_ratio_vs_dense`` and, on dense's rows,
-``dense_step_over_compute``; ``time_to_accuracy.md``; and per workload x optimizer a plot of
+step_ratio_vs_dense, ratio_spread, time_ratio_vs_dense, same_machine_as_dense`` and, on dense's rows,
+``dense_step_over_compute`` and ``dense_step_over_loopback`` (dense's step on the link over its step on the
+unshaped loopback, where the same Gloo collectives wait for no link: what a compressor can remove is
+at most the difference); ``time_to_accuracy.md``; and per workload x optimizer a plot of
 held-out loss against time, one panel per link, one line per method. The step times of a
 workload come from its own benchmark file when there is one.
 
@@ -36,6 +42,8 @@ import json
 import math
 import os
 from typing import Dict, List, Optional
+
+from experiments.study_report import OTHER_MACHINE
 
 __all__ = ["rows_for", "run_time", "read_step_times", "main"]
 
@@ -142,10 +150,24 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
                    "step_times_of": timed["workload"], "time_ratio_vs_dense": ratio,
                    "time_model": next((r[2] for r in results if r[2] is not None), None), "seeds": seeds,
                    "time_ratio_by_seed": [r[1] for r in results], "integration": timed.get("integration", "ddp")}
+            row["same_machine_as_dense"] = _same_machine([runs[(workload, optimizer, method, s)] for s in seeds],
+                                                         [runs[(workload, optimizer, "dense", s)] for s in seeds])
             if method == "dense":
+                loopback = _timing(times, workload, optimizer, "dense", "unshaped")
                 row["dense_step_over_compute"] = timed.get("dense_step_over_compute")
+                row["dense_step_over_loopback"] = (timed["step_time"] / loopback["step_time"]
+                                                   if loopback is not None else None)
             rows.append(row)
     return rows
+
+
+def _same_machine(runs: List[dict], dense_runs: List[dict]) -> Optional[bool]:
+    """Whether every run and the dense run of its seed name one machine (``False``: some pair names two;
+    ``None``: some run recorded none)."""
+    pairs = [(run.get("machine"), dense.get("machine")) for run, dense in zip(runs, dense_runs)]
+    if any(mine is not None and theirs is not None and mine != theirs for mine, theirs in pairs):
+        return False
+    return True if all(mine is not None and theirs is not None for mine, theirs in pairs) else None
 
 
 def paired_step_time(timed: dict, dense_timed: dict) -> float:
@@ -168,16 +190,19 @@ def _timing(times: Dict[tuple, dict], workload: str, optimizer: str, method: str
 
 def markdown(rows: List[dict]) -> str:
     lines = ["| workload | optimizer | link | method | steps to target | step (ms) | spread | step vs dense, paired "
-             "(spread) | time vs dense | dense step / compute |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "(spread) | time vs dense | dense step / compute | dense step / loopback's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "never" if r["time_ratio_vs_dense"] is None else f"{r['time_ratio_vs_dense']:.2f}x"
+        ratio += OTHER_MACHINE if r.get("same_machine_as_dense") is False else ""
         over, paired = r.get("dense_step_over_compute"), r.get("step_ratio_vs_dense")
+        loopback = r.get("dense_step_over_loopback")
         paired_text = "" if paired is None or r.get("ratio_spread") is None else (
             f"{paired:.3f}x ({r['ratio_spread']:.1%})")
         lines.append(f"| {r['workload']} | {r['optimizer']} | {r['link']} | {r['method']} | "
                      f"{r['steps_to_target'] if r['steps_to_target'] is not None else 'never'} | "
                      f"{r['step_time'] * 1000:.1f} | {r['spread']:.1%} | {paired_text} | {ratio} | "
-                     f"{'' if over is None else f'{over:.2f}'} |")
+                     f"{'' if over is None else f'{over:.2f}'} | {'' if loopback is None else f'{loopback:.2f}'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -90,6 +90,34 @@ def test_rows_files_and_a_method_that_never_reaches_the_target(tmp_path):
     assert (tmp_path / "out" / "w_sgdm_loss_vs_time.png").stat().st_size > 1000
 
 
+def test_rows_say_whether_dense_ran_on_the_same_machine_and_dense_its_step_over_the_loopback():
+    """Seeds 0 and 1 of dense on machine A; top-k's seed 1 on B (marked in both tables), 2-bit's on A (not
+    marked), a method whose runs recorded no machine (``None``, not marked)."""
+    from experiments import readme_tables
+
+    def on(machine, method, seed):
+        row = run(method, [3.0, 2.0, 1.8], [1.0, 0.1, 0.1], seed=seed)
+        return {**row, "machine": machine} if machine else row
+
+    convergence = [on("A", "dense", 0), on("A", "dense", 1), on("A", "topk", 0), on("B", "topk", 1),
+                   on("A", "twobit", 0), on("A", "twobit", 1), on(None, "threebit", 0), on(None, "threebit", 1)]
+    times = [timing(m, link, t * (10 if link == "10mbit" else 1)) for link in ("10mbit", "unshaped")
+             for m, t in (("dense", 0.1), ("topk", 0.05), ("twobit", 0.06), ("threebit", 0.06))]
+    rows = {(r["method"], r["link"]): r for r in tta.rows_for(convergence, times)}
+    assert [rows[(m, "10mbit")]["same_machine_as_dense"] for m in ("dense", "topk", "twobit", "threebit")] == [
+        True, False, True, None]
+    assert rows[("dense", "10mbit")]["dense_step_over_loopback"] == pytest.approx(10.0)
+    assert rows[("dense", "unshaped")]["dense_step_over_loopback"] == pytest.approx(1.0)
+    assert "dense_step_over_loopback" not in rows[("topk", "10mbit")]
+    table = tta.markdown(list(rows.values()))
+    marked = [line for line in table.splitlines() if "(dense: another machine)" in line]
+    assert len(marked) == 2 and all("| topk |" in line for line in marked)
+    assert "| 10.00 |" in table
+    study = readme_tables.study_time_table(list(rows.values()))
+    assert study.count(readme_tables.OTHER_MACHINE_MARK) == 3  # two cells and the note
+    assert "two machines" in study
+
+
 def test_the_paired_ratio_sees_through_the_machines_drift_between_rounds():
     """Two rounds on a machine 30 % slower in the second; within a round `auto` takes 1.01x dense's
     step, step by step: the round medians spread 30 %, the paired ratio is 1.01 with no spread, and the
