@@ -45,15 +45,20 @@ def _all_reduce_held(tensor: torch.Tensor) -> None:
     dist.all_reduce(handed)
 
 
-def _median_time(fn, repeats: int) -> float:
+def _median_time(fn, repeats: int, fresh=None) -> float:
+    """The median over ``repeats`` of ``fn()`` (after a warm-up call), ranks lined up by a barrier before each;
+    with ``fresh``, each call is ``fn(fresh())``, ``fresh()`` run outside the timed region (a copy of the input
+    that ``fn`` mutates: a pass over it that is the benchmark's, not the exchange's)."""
     import torch.distributed as dist
 
-    fn()  # warm-up
+    call = fn if fresh is None else (lambda: fn(fresh()))
+    call()  # warm-up
     times = []
     for _ in range(repeats):
+        arguments = () if fresh is None else (fresh(),)
         dist.barrier()
         started = time.perf_counter()
-        fn()
+        fn(*arguments)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -89,9 +94,9 @@ def _measure_rank(rank: int, world_size: int, numel: int, repeats: int, out: str
         beta = big / max(_pingpong(big, repeats) - alpha, 1e-9)
         measured: Dict[str, float] = {}
         grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-        measured[DENSE] = _median_time(lambda: _all_reduce_held(grad.clone()), repeats)
+        measured[DENSE] = _median_time(_all_reduce_held, repeats, grad.clone)
         half = grad.half()
-        measured["fp16"] = _median_time(lambda: _all_reduce_held(half.clone()), repeats)
+        measured["fp16"] = _median_time(_all_reduce_held, repeats, half.clone)
         cluster = Cluster(world_size, Link(alpha, beta))
         for _, name, factory in COMPRESSED:
             compressor = factory()
@@ -102,12 +107,12 @@ def _measure_rank(rank: int, world_size: int, numel: int, repeats: int, out: str
                 engine = Engine(compressor, TorchDistributedTransport(), warmup_steps=0, min_numel=0,
                                 exchange=exchange)
 
-                def engine_step():
-                    handle = engine.start(grad.clone(), ("g",), (numel,), 0)
+                def engine_step(own):
+                    handle = engine.start(own, ("g",), (numel,), 0)
                     engine.finish(handle, handle.work.wait()[0])
                     engine.end_step()
 
-                measured[f"{name} {exchange} engine"] = _median_time(engine_step, repeats)
+                measured[f"{name} {exchange} engine"] = _median_time(engine_step, repeats, grad.clone)
         if rank == 0:
             with open(out, "w") as handle:
                 json.dump({"world_size": world_size, "numel": numel, "alpha_s": alpha, "beta_Bps": beta,
