@@ -171,6 +171,7 @@ def measure(out_dir: str, links: Sequence[str], world_sizes: Sequence[int], nume
             bench: Optional[str], timeout_s: float) -> List[dict]:
     from experiments import netem
 
+    load = os.getloadavg()[0]  # before the ranks add their own
     records = []
     for rate in links:
         with netem.link(None if rate == netem.UNSHAPED else rate) as shaped:
@@ -191,7 +192,8 @@ def measure(out_dir: str, links: Sequence[str], world_sizes: Sequence[int], nume
         json.dump(records, handle, indent=1)
     lines = ["# Cost model vs measured exchange time (this machine, loopback)", "",
              f"n = {numel} float32; median of {repeats}; load average at start "
-             f"{os.getloadavg()[0]:.1f}. alpha, beta calibrated per run by ping-pong between ranks 0 and 1; "
+             f"{load:.2f}; kernel rates {'left out' if bench is None else 'of ' + os.path.relpath(bench)}. "
+             "alpha, beta calibrated per run by ping-pong between ranks 0 and 1; "
              "per-flow bandwidth beta / P (one shared medium).", "",
              "| link | P | exchange | predicted s | measured s | measured / predicted |", "|---|---|---|---|---|---|"]
     for record in records:
