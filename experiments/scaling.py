@@ -8,7 +8,7 @@ writes ``scaling.json`` (every prediction), ``scaling.md`` (table and crossover 
 ``scaling.png`` (bytes received per rank and predicted communication time vs P, log P): the
 10.8M-parameter charlm transformer (counted from :mod:`experiments.workloads`) and a 350M-parameter
 model; P = 2 .. 1024; links of 1, 10 and 100 Gbit/s. Flat exchanges (dense fp32 ring, fp16,
-2-bit and top-k 1% by allgather and by two-phase) run with one rank per node, every link at
+2-bit, the recipe's 3-bit and top-k 1% by allgather and by two-phase) run with one rank per node, every link at
 the rate; the hierarchical exchange runs with 8 ranks per node (intra-node link
 ``--intra-gbit``, default 800 Gbit/s as NVLink-class; the node's link at the rate, shared by its
 8 ranks). Gradients travel in DDP's 25 MB buckets, each one exchange (latency per bucket).
@@ -33,10 +33,13 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
-from gradcomp import FP16, TopK, TwoBit, exchanges
+from gradcomp import FP16, ThreeBit, TopK, TwoBit, exchanges
 from gradcomp.costmodel import Cluster, Kernels, Link, gbit, predict
 
-DEFAULT_BENCH = os.path.join(os.path.dirname(__file__), "results", "cpu-2core-2026-11-22", "bench_kernels_2p24.json")
+#: Kernel rates: the numba kernels on one thread (as each rank of the validation runs them) at 2^22 elements,
+#: on the 2-core machine of ``results/scaling/validation/`` (``python -m experiments.bench_kernels --threads 1
+#: --sizes 4194304 --backends numba --dtypes float32 --dists gaussian --densities 0.01``).
+DEFAULT_BENCH = os.path.join(os.path.dirname(__file__), "results", "scaling", "bench_kernels_1thread.json")
 WORLD_SIZES = tuple(2**i for i in range(1, 11))
 RATES_GBIT = (1, 10, 100)
 RANKS_PER_NODE = 8
@@ -48,8 +51,10 @@ LARGE_MODEL = 350_000_000
 #: The exchanges of the study, named by the registry (gradcomp.exchanges) after what they are.
 DENSE, SUMMED = exchanges.names(sends_gradient=True)[0], exchanges.names(automatic=True, sends_gradient=False)[0]
 FLAT, NODE_AWARE = exchanges.names(selectable=True), exchanges.names(node_aware=True)
-#: (label, key, factory) of the compressors that the flat and node-aware exchanges carry.
-COMPRESSED = (("2-bit", "twobit", lambda: TwoBit("rms")), ("top-k 1%", "topk", lambda: TopK(0.01)))
+#: (label, key, factory) of the compressors that the flat and node-aware exchanges carry: MXNet's 2-bit code with a
+#: scale per tensor, the 3-bit code the recipe sends for "twobit" under SGD and Adam (1.7x its bytes), top-k 1 %.
+COMPRESSED = (("2-bit", "twobit", lambda: TwoBit("rms")), ("3-bit (the recipe's)", "threebit", ThreeBit),
+              ("top-k 1%", "topk", lambda: TopK(0.01)))
 #: (label, exchange, compressor factory) of every curve: dense, fp16, each compressor by each flat
 #: exchange, then 2-bit by each node-aware exchange.
 CURVES = (("dense fp32", DENSE, None), ("fp16", SUMMED, FP16),
@@ -78,7 +83,7 @@ def kernels_for(exchange: str, factory, bench: Optional[str]) -> Kernels:
     compressor = factory()
     if isinstance(compressor, TopK):
         return Kernels.from_bench(bench, "topk", density=compressor.density)
-    return Kernels.from_bench(bench, "twobit")
+    return Kernels.from_bench(bench, "threebit" if isinstance(compressor, ThreeBit) else "twobit")
 
 
 def predict_step(label: str, exchange: str, factory, numel: int, world_size: int, rate_gbit: float,
@@ -151,10 +156,10 @@ def write_markdown(rows: List[dict], path: str, bench: Optional[str], intra_gbit
              f"25 MB; flat exchanges one rank per node; hierarchical {RANKS_PER_NODE} ranks per node, intra-node "
              f"{intra_gbit:g} Gbit/s. Kernel time: {os.path.relpath(bench) if bench else 'left out'}.", "",
              "Predicted communication + kernel seconds per step (bytes received per rank in brackets; for the "
-             "hierarchical exchange they include the dense intra-node traffic). Kernel rates measured on a 2-core "
-             "CPU (numba) make compression look costly at 100 Gbit/s; GPU kernels are about two orders of magnitude "
-             "faster. The dense ring is latency-bound at large P (2 (P - 1) messages per bucket); NCCL's trees "
-             "would lower that part.", ""]
+             "hierarchical exchange they include the dense intra-node traffic). Kernel rates measured on one "
+             "thread of a 2-core CPU (numba) make compression look costly at 100 Gbit/s; GPU kernels are about two "
+             "orders of magnitude faster. The dense ring is latency-bound at large P (2 (P - 1) messages per "
+             "bucket); NCCL's trees would lower that part.", ""]
     for model in sorted({r["model"] for r in rows}):
         for rate in RATES_GBIT:
             lines += [f"## {model}, {rate} Gbit/s", "",
