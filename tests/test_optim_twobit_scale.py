@@ -17,7 +17,7 @@ def reference(acc: torch.Tensor):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("numel", [1, 17, 4096 + 3])
+@pytest.mark.parametrize("numel", [1, 17, 4096 + 3, 3 * (1 << 16) + 5])  # the last: four pieces of the CPU sum
 def test_rms_threshold_matches_reference_bitwise(backend, numel):
     gen = torch.Generator().manual_seed(numel)
     grad = torch.randn(numel, generator=gen) * 0.01
@@ -78,3 +78,17 @@ def test_zero_tensor_sends_nothing_and_nonfinite_entries_poison_the_average():
 def test_bad_threshold_strings_are_rejected():
     with pytest.raises(ValueError, match="'rms' or 'chunk'"):
         TwoBit("mean")
+
+
+def test_rms_threshold_of_a_half_gradient_and_a_non_finite_one():
+    """The pieces of the sum read a float16 gradient in float32, as the reference; a NaN anywhere (here in the
+    last piece) gives t = 1.0, as documented."""
+    from gradcomp.compressors.twobit import SQUARES_CHUNK
+
+    gen = torch.Generator().manual_seed(3)
+    grad = (torch.randn(2 * SQUARES_CHUNK + 9, generator=gen) * 0.01).half()
+    residual = torch.randn(grad.numel(), generator=gen) * 0.004
+    payload = TwoBit("rms").compress(grad, residual, torch.empty(grad.numel()))
+    assert float(payload["scale"][0]) == reference(grad.float() + residual)[0]
+    grad[-1] = float("nan")
+    assert float(TwoBit("rms").compress(grad, residual)["scale"][0]) == 1.0
