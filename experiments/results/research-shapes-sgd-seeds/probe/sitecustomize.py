@@ -14,6 +14,8 @@ directory), and nothing when unset::
                   the smaller of it and the density's delay; raw, it alone (GC_MEASURED_LOG=DIR: W per step)
     GC_NOSTABLE=1  top-k's momentum shortened by the density's delay alone, also where the learning rate has
                   fallen below its peak (DelayedMomentumSGD's stable_delay gives up more there)
+    GC_CRITICAL=ETA  Accordion: a window of GC_CRITICAL_WINDOW (10) steps dense whenever the averaged gradient's
+                  mean norm over the last window moved by ETA or more of the window's before
 """
 import os
 
@@ -134,3 +136,38 @@ if os.environ.get("GC_NOSTABLE"):
     import gradcomp.optim.delayed_momentum as unstable
 
     unstable.stable_delay = lambda delay, beta, rate_ratio: max(0.0, delay)
+if os.environ.get("GC_CRITICAL"):
+    # Accordion's critical regimes, read from the averaged gradient: every GC_CRITICAL_WINDOW steps (10) the mean
+    # norm of the window is compared with the previous window's; a relative change of GC_CRITICAL (e.g. 0.5) or more
+    # sends the next window dense. Signals are per process (each simulated rank sees the same averages).
+    import gradcomp.engine as critical_engine
+    import gradcomp.schedule as critical_schedule
+
+    eta, window = float(os.environ["GC_CRITICAL"]), int(os.environ.get("GC_CRITICAL_WINDOW", "10"))
+    state = {"sums": {}, "means": [], "dense_until": -1, "windows_dense": 0}
+    critical_commit, critical_at = critical_engine.Engine._commit, critical_schedule.PlannedSchedule.compressor_at
+
+    def critical_commit_traced(self, context, handle, average):
+        critical_commit(self, context, handle, average)
+        if self is not getattr(critical_engine, "_critical_first", None):
+            if getattr(critical_engine, "_critical_first", None) is None:
+                critical_engine._critical_first = self
+            else:
+                return  # one engine (rank 0) feeds the signal; the ranks' averages are alike
+        step = self.step
+        state["sums"][step] = state["sums"].get(step, 0.0) + float(average.float().pow(2).sum())
+
+    def critical_compressor_at(self, step, base):
+        planned = critical_at(self, step, base)
+        if step > 0 and step % window == 0 and state.get("decided") != step:  # once a step, whoever asks
+            state["decided"] = step
+            steps = sorted(s for s in state["sums"] if step - window <= s < step)
+            if steps:
+                mean = sum(state["sums"][s] ** 0.5 for s in steps) / len(steps)
+                if state["means"] and abs(mean - state["means"][-1]) / max(state["means"][-1], 1e-30) >= eta:
+                    state["dense_until"] = step + window
+                state["means"].append(mean)
+        return None if planned is not None and step < state["dense_until"] else planned
+
+    critical_engine.Engine._commit = critical_commit_traced
+    critical_schedule.PlannedSchedule.compressor_at = critical_compressor_at
