@@ -100,6 +100,13 @@ def _is_cast(step: dict) -> bool:
     return step["dense_bytes"] > 0 and 0.5 <= step["bytes_sent"] / step["dense_bytes"] < 1.0
 
 
+def same_machine(row: dict, reference: dict) -> Optional[bool]:
+    """Whether one machine made both runs (``None`` where either does not say)."""
+    if row.get("machine") and reference.get("machine"):
+        return row["machine"] == reference["machine"]
+    return None
+
+
 def add_dense_comparisons(rows: List[dict]) -> None:
     """``time_to_dense_loss_s`` and ``gap_to_dense`` against the dense run of the same
     workload, optimizer, seed, steps and parallelism (DDP or FSDP), and ``same_machine_as_dense``: whether one
@@ -117,8 +124,7 @@ def add_dense_comparisons(rows: List[dict]) -> None:
         row["same_machine_as_dense"] = None
         if reference is None:
             continue
-        if row.get("machine") and reference.get("machine"):
-            row["same_machine_as_dense"] = row["machine"] == reference["machine"]
+        row["same_machine_as_dense"] = same_machine(row, reference)
         target = reference["final_loss"]
         row["gap_to_dense"] = row["final_loss"] / target - 1
         if row.get("final_accuracy") is not None and reference.get("final_accuracy") is not None:

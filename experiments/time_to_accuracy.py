@@ -43,7 +43,7 @@ import math
 import os
 from typing import Dict, List, Optional
 
-from experiments.study_report import OTHER_MACHINE
+from experiments.study_report import OTHER_MACHINE, same_machine
 
 __all__ = ["rows_for", "run_time", "read_step_times", "main"]
 
@@ -164,10 +164,10 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
 def _same_machine(runs: List[dict], dense_runs: List[dict]) -> Optional[bool]:
     """Whether every run and the dense run of its seed name one machine (``False``: some pair names two;
     ``None``: some run recorded none)."""
-    pairs = [(run.get("machine"), dense.get("machine")) for run, dense in zip(runs, dense_runs)]
-    if any(mine is not None and theirs is not None and mine != theirs for mine, theirs in pairs):
+    pairs = [same_machine(run, dense) for run, dense in zip(runs, dense_runs)]
+    if False in pairs:
         return False
-    return True if all(mine is not None and theirs is not None for mine, theirs in pairs) else None
+    return None if None in pairs else True
 
 
 def paired_step_time(timed: dict, dense_timed: dict) -> float:
