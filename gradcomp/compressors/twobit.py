@@ -13,7 +13,8 @@ from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import check_chunk_scales, check_layout
 
 #: Elements per piece of :func:`_sum_of_squares` on a CPU: float64 copies of 512 KB, where one of the whole
-#: tensor (32 MB at 2^22 elements) cost 19.6 of the 33 ms of a 2-rank exchange, most of it in fresh pages.
+#: tensor (32 MB at 2^22 elements, most of its time in fresh pages) took 20.0 ms against 3.45 ms piece by piece
+#: (one thread, medians of 21 interleaved repeats, quiet, load 0.47, a 2-core VM).
 SQUARES_CHUNK = 1 << 16
 
 
