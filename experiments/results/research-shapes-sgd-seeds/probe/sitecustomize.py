@@ -14,6 +14,8 @@ directory), and nothing when unset::
                   the smaller of it and the density's delay; raw, it alone (GC_MEASURED_LOG=DIR: W per step)
     GC_NOSTABLE=1  top-k's momentum shortened by the density's delay alone, also where the learning rate has
                   fallen below its peak (DelayedMomentumSGD's stable_delay gives up more there)
+    GC_PEAKFREE=1  top-k's momentum not shortened at the peak learning rate (k = 1 there), shortened below it as far
+                  as the step's answer to a new gradient, k * lr, stays within the peak's lr (plain SGD by a tenth of it)
     GC_CRITICAL=ETA  Accordion: a window of GC_CRITICAL_WINDOW (10) steps dense whenever the averaged gradient's
                   mean norm over the last window moved by ETA or more of the window's before
 """
@@ -171,3 +173,14 @@ if os.environ.get("GC_CRITICAL"):
 
     critical_engine.Engine._commit = critical_commit_traced
     critical_schedule.PlannedSchedule.compressor_at = critical_compressor_at
+if os.environ.get("GC_PEAKFREE"):
+    # stable_delay with nothing given up at the peak: D = (1 + m) (1 - 1 / rate_ratio), at most m, on compressed steps.
+    import gradcomp.optim.delayed_momentum as peakfree
+
+    def peak_free_delay(delay, beta, rate_ratio):
+        if delay <= 0 or beta <= 0 or rate_ratio <= 1:
+            return 0.0
+        m = beta / (1.0 - beta)
+        return min(m, (1.0 + m) * (1.0 - 1.0 / rate_ratio))
+
+    peakfree.stable_delay = peak_free_delay
