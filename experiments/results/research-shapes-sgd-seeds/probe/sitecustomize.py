@@ -16,6 +16,9 @@ directory), and nothing when unset::
                   fallen below its peak (DelayedMomentumSGD's stable_delay gives up more there)
     GC_PEAKFREE=1  top-k's momentum not shortened at the peak learning rate (k = 1 there), shortened below it as far
                   as the step's answer to a new gradient, k * lr, stays within the peak's lr (plain SGD by a tenth of it)
+    GC_CALM=Z     top-k's momentum shortened only while the averaged gradient is calm: a step whose norm passes the
+                  running mean by Z standard deviations (ZClip's averages, alpha 0.97) takes the optimizer's own
+                  momentum for GC_CALM_HOLD (20) steps (every rank sees the same average: the ranks agree)
     GC_CRITICAL=ETA  Accordion: a window of GC_CRITICAL_WINDOW (10) steps dense whenever the averaged gradient's
                   mean norm over the last window moved by ETA or more of the window's before
 """
@@ -184,3 +187,42 @@ if os.environ.get("GC_PEAKFREE"):
         return min(m, (1.0 + m) * (1.0 - 1.0 / rate_ratio))
 
     peakfree.stable_delay = peak_free_delay
+if os.environ.get("GC_CALM"):
+    import math as calm_math
+
+    import gradcomp.optim.delayed_momentum as calm
+
+    z_limit, hold_steps = float(os.environ["GC_CALM"]), int(os.environ.get("GC_CALM_HOLD", "20"))
+    calm_step = calm.DelayedMomentumSGD.before_optimizer_step
+    calm_log = (open(os.path.join(os.environ["GC_CALM_LOG"], f"calm-{os.getpid()}.jsonl"), "a")
+                if os.environ.get("GC_CALM_LOG") else None)
+
+    def calm_before_optimizer_step(self):
+        import torch
+
+        state = self.__dict__.setdefault("_calm", {"mean": None, "var": 0.0, "seen": 0, "hold": 0, "calls": 0})
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = float(torch.stack(torch._foreach_norm(grads)).square().sum().sqrt()) if grads else 0.0
+        state["calls"] += 1
+        spike = False
+        if state["mean"] is None:
+            state["mean"] = norm
+        else:
+            limit = state["mean"] + z_limit * calm_math.sqrt(state["var"])
+            spike = state["seen"] >= 10 and norm > limit
+            r = min(norm, limit) if state["seen"] >= 10 else norm
+            state["var"] = 0.97 * state["var"] + 0.03 * (r - state["mean"]) ** 2
+            state["mean"] = 0.97 * state["mean"] + 0.03 * r
+            state["seen"] += 1
+        if spike:
+            state["hold"] = hold_steps
+        held = state["hold"] > 0 and bool(self._compressed)
+        if calm_log is not None:
+            calm_log.write(json.dumps({"call": state["calls"], "norm": norm, "spike": spike, "held": held}) + "\n")
+        if state["hold"] > 0:
+            state["hold"] -= 1
+            self._compressed.clear()  # the optimizer's own step: the user's momentum, undelayed
+        return calm_step(self)
+
+    import json
+    calm.DelayedMomentumSGD.before_optimizer_step = calm_before_optimizer_step
