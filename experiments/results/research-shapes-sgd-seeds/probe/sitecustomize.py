@@ -11,7 +11,9 @@ directory), and nothing when unset::
     GC_TRACE=DIR  each group's averaged gradient and residual norms at every step, to DIR/trace-PID.jsonl
     GC_MEASURED=min|raw  top-k's momentum shortened by the delay the residual measures (Little's law: the
                   residual's L1 mass over the gradient's per step, each averaged by GC_MEASURED_EMA, 0.9): min,
-                  the smaller of it and the density's delay; raw, it alone (GC_MEASURED_LOG=DIR: W per step)
+                  the smaller of it and the density's delay; raw, it alone (GC_MEASURED_LOG=DIR: W per step);
+                  GC_MEASURED_AGREED=1: one W for all the simulated ranks of the run (their masses pooled in one
+                  average, GC_MEASURED_WORLD ranks a step), as ranks that sum the two masses would share
     GC_NOSTABLE=1  top-k's momentum shortened by the density's delay alone, also where the learning rate has
                   fallen below its peak (DelayedMomentumSGD's stable_delay gives up more there)
     GC_PEAKFREE=1  top-k's momentum not shortened at the peak learning rate (k = 1 there), shortened below it as far
@@ -83,6 +85,9 @@ if os.environ.get("GC_MEASURED"):
            if os.environ.get("GC_MEASURED_LOG") else None)
     original_before, original_commit = stage_class.before_compress, measured_engine.Engine._commit
     original_step, original_delay_at = stage_class.before_optimizer_step, measured.delay_at
+    agreed = {"ema": {}, "wait": {}} if os.environ.get("GC_MEASURED_AGREED") else None
+    if agreed is not None:  # every simulated rank's commit updates one average: per update, smooth ** (1 / world)
+        smooth = smooth ** (1.0 / int(os.environ.get("GC_MEASURED_WORLD", "2")))
 
     def before_compress(self, keys, numels, grad, compressor):
         self.__dict__.setdefault("_arrival", {})[tuple(keys)] = float(grad.abs().sum())
@@ -98,12 +103,12 @@ if os.environ.get("GC_MEASURED"):
         if arrival is None:
             return
         held = sum(float(r.abs().sum()) for r in map(self.residual_memory.residual, keys) if r is not None)
-        ema = stage.__dict__.setdefault("_ema", {})
+        ema = agreed["ema"] if agreed is not None else stage.__dict__.setdefault("_ema", {})
         old_held, old_arrival = ema.get(keys, (held, arrival))
         ema[keys] = (smooth * old_held + (1 - smooth) * held, smooth * old_arrival + (1 - smooth) * arrival)
         wait = ema[keys][0] / max(ema[keys][1], 1e-30)
         for key in keys:
-            stage.__dict__.setdefault("_wait", {})[key] = wait
+            (agreed["wait"] if agreed is not None else stage.__dict__.setdefault("_wait", {}))[key] = wait
         if log is not None:
             log.write(json.dumps({"step": self.step, "group": str(handle.group), "held": held, "arrival": arrival,
                                   "wait": wait}) + "\n")
@@ -111,7 +116,7 @@ if os.environ.get("GC_MEASURED"):
     def before_optimizer_step(self):
         # delay_at is called once per density in the original; per parameter the wait differs, so the step
         # runs once per distinct wait with the density's delay replaced by the chosen one.
-        waits = self.__dict__.get("_wait", {})
+        waits = agreed["wait"] if agreed is not None else self.__dict__.get("_wait", {})
         compressed = dict(self._compressed)
         by_delay = {}
         for key, density in compressed.items():
