@@ -16,11 +16,14 @@ directory), and nothing when unset::
                   average, GC_MEASURED_WORLD ranks a step), as ranks that sum the two masses would share
     GC_NOSTABLE=1  top-k's momentum shortened by the density's delay alone, also where the learning rate has
                   fallen below its peak (DelayedMomentumSGD's stable_delay gives up more there)
-    GC_PEAKFREE=1  top-k's momentum not shortened at the peak learning rate (k = 1 there), shortened below it as far
-                  as the step's answer to a new gradient, k * lr, stays within the peak's lr (plain SGD by a tenth of it)
+    GC_PEAKFREE=1  top-k's momentum not shortened at the peak learning rate (k = 1 there), shortened below it as
+                  far as the step's answer to a new gradient, k * lr, stays within the peak's lr (plain SGD by a
+                  tenth of it)
     GC_CALM=Z     top-k's momentum shortened only while the averaged gradient is calm: a step whose norm passes the
                   running mean by Z standard deviations (ZClip's averages, alpha 0.97) takes the optimizer's own
                   momentum for GC_CALM_HOLD (20) steps (every rank sees the same average: the ranks agree)
+    GC_DENSE_MOMENTUM=B  the study's SGD-momentum loops with momentum B and the peak rate times (1 - B) / (1 - m): every
+                  step, dense ones too, answers new gradients as the top-k stage's do, at the same steady state
     GC_CRITICAL=ETA  Accordion: a window of GC_CRITICAL_WINDOW (10) steps dense whenever the averaged gradient's
                   mean norm over the last window moved by ETA or more of the window's before
 """
@@ -231,3 +234,21 @@ if os.environ.get("GC_CALM"):
 
     import json
     calm.DelayedMomentumSGD.before_optimizer_step = calm_before_optimizer_step
+dense_loops = None
+if os.environ.get("GC_DENSE_MOMENTUM"):
+    try:  # the study's orchestrating process starts before the repository is on its path; it trains nothing
+        import experiments.loop as dense_loops
+    except ModuleNotFoundError:
+        pass
+if dense_loops is not None:
+    from dataclasses import replace as dense_replace
+
+    dense_beta, dense_loop_for = float(os.environ["GC_DENSE_MOMENTUM"]), dense_loops.loop_for
+
+    def shorter_loop_for(workload, optimizer, steps, **overrides):
+        loop = dense_loop_for(workload, optimizer, steps, **overrides)
+        if optimizer != "sgdm":
+            return loop
+        return dense_replace(loop, momentum=dense_beta, lr=loop.lr * (1 - dense_beta) / (1 - loop.momentum))
+
+    dense_loops.loop_for = shorter_loop_for
