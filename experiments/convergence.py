@@ -24,6 +24,10 @@ Methods (``method`` in the rows):
 ``auto``          the top-k recipe with ``policy=gradcomp.Auto()`` (real DDP)
 ================  =============================================================================
 
+Runs of one code and seed part between machines (vector units round differently), by up to a per cent on the
+language models: ``--dense-here`` also runs dense on this machine beside each compressed run whose dense run it
+did not make (:func:`dense_here`), so that a gap is read on one machine.
+
 Workloads and their loops are :mod:`experiments.suite` and :mod:`experiments.loop`: charlm-small
 (transformer, 2000 steps), proselm (GRU, 600), digits-mlp (MLP, 1000), shapes (CNN, 600) and gpt (a
 GPT trained as popular single-file scripts do: learning rate set by hand, clip 1.0, two param
@@ -64,7 +68,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import List
 
 from experiments.convergence_ddp import run_worker
@@ -125,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "under horovodrun with Horovod's and gradcomp's distributed optimizers "
                         "(experiments.horovod_train.run_study)")
     parser.add_argument("--aggregate", action="store_true", help="only rebuild the outputs from the logs")
+    parser.add_argument("--dense-here", action="store_true", help="also run dense on this machine beside each "
+                        "compressed run whose dense run this machine did not make (runs part between machines)")
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a RunSpec as JSON: run it here
     parser.add_argument("--log", help=argparse.SUPPRESS)
@@ -148,6 +154,37 @@ def _pending(specs: List[RunSpec], runs_dir: str) -> List[RunSpec]:
             continue
         pending.append(spec)
     return pending
+
+
+def dense_here(pending: List[RunSpec], runs_dir: str, out: str) -> List[RunSpec]:
+    """The dense runs to make on this machine beside ``pending`` (``--dense-here``): for each compressed run, the dense
+    run of its workload, optimizer, seed and length, unless a log in ``runs_dir`` from the current code or a row of
+    ``out/convergence.json`` says this machine (:func:`experiments.fingerprint.machine`) made it. Runs of one code
+    and seed part between machines by up to a per cent on the language models, as much as the study's margins
+    (``experiments/results/research-shapes-sgd-seeds/``), so a gap is read against dense of the same machine."""
+    from experiments import fingerprint
+    from experiments.study_report import is_current, read_log
+
+    here, path = fingerprint.machine(), os.path.join(out, "convergence.json")
+    rows = []
+    if os.path.exists(path):
+        with open(path) as handle:
+            rows = json.load(handle)
+    extra: List[RunSpec] = []
+    for spec in pending:
+        dense = replace(spec, method="dense")
+        if spec.method == "dense" or dense in pending or dense in extra:
+            continue
+        log = os.path.join(runs_dir, dense.stem + ".jsonl")
+        config = next((r for r in read_log(log) if r.get("event") == "config"), {})
+        if is_current(log) and config.get("machine") == here:
+            continue
+        fields = asdict(dense)
+        if any(row.get("machine") == here and all(row.get(k) == v for k, v in fields.items()) for row in rows):
+            continue
+        print(f"{dense.stem}: run here beside {spec.stem} (this machine made no dense run of it)", flush=True)
+        extra.append(dense)
+    return extra
 
 
 def run_simulated(specs: List[RunSpec], runs_dir: str, jobs: int, timeout_s: float) -> int:
@@ -262,6 +299,8 @@ def main(argv=None) -> int:
         failures += run_horovod_study(specs, runs_dir, args)
     elif not args.aggregate:
         pending = _pending(specs, runs_dir)
+        if args.dense_here:
+            pending += dense_here(pending, runs_dir, args.out)
         failures += run_simulated([s for s in pending if s.method in SIMULATED_METHODS], runs_dir, args.jobs,
                                   args.run_timeout)
         failures += run_ddp([s for s in pending if s.method not in SIMULATED_METHODS], runs_dir, args)

@@ -79,3 +79,37 @@ def test_the_machine_fingerprint_is_stable_and_a_gap_across_machines_says_so():
     assert [r["same_machine_as_dense"] for r in rows if r["method"] == "topk"] == [True, False, None]
     assert [round(r["gap_to_dense"], 3) for r in rows if r["method"] == "topk"] == [0.1, 0.2, -0.1]
     assert [_gap(r) for r in rows if r["method"] == "topk"] == ["+10.0%", "+20.0% (dense: another machine)", "-10.0%"]
+
+
+def test_dense_here_adds_dense_beside_a_compressed_run_unless_this_machine_made_it(tmp_path, capsys):
+    """--dense-here: a compressed run's dense counterpart runs on this machine unless a current log or a row of the
+    study's convergence.json says this machine made it; another machine's log or row does not count."""
+    from dataclasses import asdict, replace
+
+    (topk,) = convergence.plan(False, [0], ("topk",), ["charlm-small"], 10, ("adamw",))
+    dense = replace(topk, method="dense")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+
+    def log(machine):
+        records = [{"event": "config", "code": fingerprint.code(), "machine": machine}, {"event": "done"}]
+        (runs / f"{dense.stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def rows(machine):
+        (tmp_path / "convergence.json").write_text(json.dumps([{**asdict(dense), "machine": machine}]))
+
+    assert convergence.dense_here([topk], str(runs), str(tmp_path)) == [dense]
+    assert "this machine made no dense run" in capsys.readouterr().out
+    assert convergence.dense_here([topk, dense], str(runs), str(tmp_path)) == []  # already pending
+    assert convergence.dense_here([dense], str(runs), str(tmp_path)) == []  # a dense run needs no other
+    log("0123456789abcdef")
+    assert convergence.dense_here([topk], str(runs), str(tmp_path)) == [dense]
+    log(fingerprint.machine())
+    assert convergence.dense_here([topk], str(runs), str(tmp_path)) == []
+    (runs / f"{dense.stem}.jsonl").unlink()  # a fresh clone: the logs are gone, the rows stay
+    rows("0123456789abcdef")
+    assert convergence.dense_here([topk], str(runs), str(tmp_path)) == [dense]
+    rows(fingerprint.machine())
+    assert convergence.dense_here([topk], str(runs), str(tmp_path)) == []
+    other_seed = replace(topk, seed=1)
+    assert convergence.dense_here([other_seed], str(runs), str(tmp_path)) == [replace(dense, seed=1)]
