@@ -196,6 +196,7 @@ if os.environ.get("GC_PEAKFREE"):
 
     peakfree.stable_delay = peak_free_delay
 if os.environ.get("GC_CALM"):
+    import json
     import math as calm_math
 
     import gradcomp.optim.delayed_momentum as calm
@@ -232,7 +233,6 @@ if os.environ.get("GC_CALM"):
             self._compressed.clear()  # the optimizer's own step: the user's momentum, undelayed
         return calm_step(self)
 
-    import json
     calm.DelayedMomentumSGD.before_optimizer_step = calm_before_optimizer_step
 dense_loops = None
 if os.environ.get("GC_DENSE_MOMENTUM"):
