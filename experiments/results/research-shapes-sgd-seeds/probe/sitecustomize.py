@@ -13,7 +13,14 @@ directory), and nothing when unset::
                   residual's L1 mass over the gradient's per step, each averaged by GC_MEASURED_EMA, 0.9): min,
                   the smaller of it and the density's delay; raw, it alone (GC_MEASURED_LOG=DIR: W per step);
                   GC_MEASURED_AGREED=1: one W for all the simulated ranks of the run (their masses pooled in one
-                  average, GC_MEASURED_WORLD ranks a step), as ranks that sum the two masses would share
+                  average, GC_MEASURED_WORLD ranks a step), as ranks that sum the two masses would share;
+                  GC_MEASURED_RAMP=1: the measured delay only in the ramp's stages (density above DELAY_DENSITY),
+                  the density's delay at the final density
+    GC_INVERSE=C  the delay given up at density rho is min(DELAY_STEPS, C / rho) (Little's law for top-k: a coordinate
+                  of the typical size waits about 1 / rho steps to rank among the top rho share) in place of
+                  delay_at's logarithmic law; C = 0.085 matches the residual's W in shapes' ramp stages;
+                  GC_INVERSE_EMA=A: that delay followed through an exponential average (A per compressed step,
+                  from its first value), as the measured W lags a stage's change of density
     GC_NOSTABLE=1  top-k's momentum shortened by the density's delay alone, also where the learning rate has
                   fallen below its peak (DelayedMomentumSGD's stable_delay gives up more there)
     GC_PEAKFREE=1  top-k's momentum not shortened at the peak learning rate (k = 1 there), shortened below it as
@@ -89,6 +96,7 @@ if os.environ.get("GC_MEASURED"):
     original_before, original_commit = stage_class.before_compress, measured_engine.Engine._commit
     original_step, original_delay_at = stage_class.before_optimizer_step, measured.delay_at
     agreed = {"ema": {}, "wait": {}} if os.environ.get("GC_MEASURED_AGREED") else None
+    ramp_only = bool(os.environ.get("GC_MEASURED_RAMP"))
     if agreed is not None:  # every simulated rank's commit updates one average: per update, smooth ** (1 / world)
         smooth = smooth ** (1.0 / int(os.environ.get("GC_MEASURED_WORLD", "2")))
 
@@ -126,6 +134,8 @@ if os.environ.get("GC_MEASURED"):
             full = original_delay_at(density, self.delay_steps)
             wait = waits.get(key, full)
             delay = min(full, wait) if mode == "min" else wait
+            if ramp_only and density <= measured.DELAY_DENSITY:
+                delay = full
             by_delay.setdefault(round(delay, 6), {})[key] = density
         for delay, part in by_delay.items():
             self._compressed = dict(part)
@@ -144,6 +154,32 @@ if os.environ.get("GC_MEASURED"):
     stage_class.before_compress = before_compress
     stage_class.before_optimizer_step = before_optimizer_step
     measured_engine.Engine._commit = commit
+if os.environ.get("GC_INVERSE"):
+    import gradcomp.optim.delayed_momentum as inverse
+
+    inverse_c = float(os.environ["GC_INVERSE"])
+
+    def inverse_delay_at(density, delay_steps=inverse.DELAY_STEPS):
+        return min(delay_steps, inverse_c / density) if 0 < density < 1 else 0.0
+
+    inverse.delay_at = inverse_delay_at
+    if os.environ.get("GC_INVERSE_EMA"):
+        inverse_smooth, inverse_step = float(os.environ["GC_INVERSE_EMA"]), inverse.DelayedMomentumSGD.before_optimizer_step
+
+        def lagged_before_optimizer_step(self):
+            densities = [d for d in self._compressed.values() if 0 < d < 1]
+            if not densities:
+                return inverse_step(self)
+            target = inverse_delay_at(min(densities), self.delay_steps)
+            old = self.__dict__.get("_lagged")
+            self._lagged = target if old is None else inverse_smooth * old + (1 - inverse_smooth) * target
+            inverse.delay_at = lambda density, delay_steps=None, d=self._lagged: d if 0 < density < 1 else 0.0
+            try:
+                return inverse_step(self)
+            finally:
+                inverse.delay_at = inverse_delay_at
+
+        inverse.DelayedMomentumSGD.before_optimizer_step = lagged_before_optimizer_step
 if os.environ.get("GC_NOSTABLE"):
     # DelayedMomentumSGD gives up the density's delay at every rate, not more as the rate falls below its peak.
     import gradcomp.optim.delayed_momentum as unstable
