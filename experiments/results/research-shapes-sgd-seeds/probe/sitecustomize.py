@@ -21,6 +21,8 @@ directory), and nothing when unset::
                   delay_at's logarithmic law; C = 0.085 matches the residual's W in shapes' ramp stages;
                   GC_INVERSE_EMA=A: that delay followed through an exponential average (A per compressed step,
                   from its first value), as the measured W lags a stage's change of density
+    GC_COSLOG=DIR  log, at every SGD step, the cosine between the gradient the step reads (.grad, the average) and the
+                  one it read before, with both norms, to DIR/cos-PID.jsonl (one optimizer of each process: rank 0)
     GC_NOSTABLE=1  top-k's momentum shortened by the density's delay alone, also where the learning rate has
                   fallen below its peak (DelayedMomentumSGD's stable_delay gives up more there)
     GC_PEAKFREE=1  top-k's momentum not shortened at the peak learning rate (k = 1 there), shortened below it as
@@ -270,6 +272,30 @@ if os.environ.get("GC_CALM"):
         return calm_step(self)
 
     calm.DelayedMomentumSGD.before_optimizer_step = calm_before_optimizer_step
+if os.environ.get("GC_COSLOG"):
+    import json as cos_json
+
+    import torch as cos_torch
+
+    cos_log = open(os.path.join(os.environ["GC_COSLOG"], f"cos-{os.getpid()}.jsonl"), "a")
+    cos_state = {"owner": None, "previous": None, "calls": 0}
+    cos_step = cos_torch.optim.SGD.step
+
+    def cos_logged_step(self, *args, **kwargs):
+        if cos_state["owner"] is None:
+            cos_state["owner"] = id(self)
+        if cos_state["owner"] == id(self):
+            grads = [p.grad.reshape(-1) for g in self.param_groups for p in g["params"] if p.grad is not None]
+            flat = cos_torch.cat(grads).double() if grads else None
+            previous = cos_state["previous"]
+            if flat is not None and previous is not None and previous.numel() == flat.numel():
+                dot, norm, before = float(flat @ previous), float(flat.norm()), float(previous.norm())
+                cos_log.write(cos_json.dumps({"call": cos_state["calls"], "cos": dot / max(norm * before, 1e-30),
+                                              "norm": norm, "lr": self.param_groups[0]["lr"]}) + "\n")
+            cos_state["previous"], cos_state["calls"] = flat, cos_state["calls"] + 1
+        return cos_step(self, *args, **kwargs)
+
+    cos_torch.optim.SGD.step = cos_logged_step
 dense_loops = None
 if os.environ.get("GC_DENSE_MOMENTUM"):
     try:  # the study's orchestrating process starts before the repository is on its path; it trains nothing
