@@ -14,8 +14,8 @@ directory), and nothing when unset::
                   the smaller of it and the density's delay; raw, it alone (GC_MEASURED_LOG=DIR: W per step);
                   GC_MEASURED_AGREED=1: one W for all the simulated ranks of the run (their masses pooled in one
                   average, GC_MEASURED_WORLD ranks a step), as ranks that sum the two masses would share;
-                  GC_MEASURED_RAMP=1: the measured delay only in the ramp's stages (density above DELAY_DENSITY),
-                  the density's delay at the final density
+                  GC_MEASURED_RAMP=1: the measured delay only where the density is above DELAY_DENSITY, the
+                  density's delay at or below it (the recipe's final top-k, 2 % compact, is above it: no change)
     GC_INVERSE=C  the delay given up at density rho is min(DELAY_STEPS, C / rho) (Little's law for top-k: a coordinate
                   of the typical size waits about 1 / rho steps to rank among the top rho share) in place of
                   delay_at's logarithmic law; C = 0.085 matches the residual's W in shapes' ramp stages;
