@@ -22,13 +22,13 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for row in sorted((r for r in rows if r["method"] != "dense"), key=lambda r: (r["workload"], r["seed"])):
         base = dense[(row["workload"], row["seed"])]
+        shown = [f"{r['final_loss']:.4f}" for r in (base, row)]
         gap = f"{row['final_loss'] / base['final_loss'] - 1:+.1%}"
-        shown = [f"{base['final_loss']:.4f}", f"{row['final_loss']:.4f}"]
         if row.get("final_accuracy") is not None and base.get("final_accuracy") is not None:
-            shown = [f"{base['final_loss']:.4f} ({base['final_accuracy']:.4f})",
-                     f"{row['final_loss']:.4f} ({row['final_accuracy']:.4f})"]
+            shown = [f"{text} ({r['final_accuracy']:.4f})" for text, r in zip(shown, (base, row))]
             gap += f" ({(row['final_accuracy'] - base['final_accuracy']) * 100:+.2f})"
         print(f"| {row['workload']} | {row['seed']} | {shown[0]} | {shown[1]} | {gap} |")
+
 
 if __name__ == "__main__":
     main()

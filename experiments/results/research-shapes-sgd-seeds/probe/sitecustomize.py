@@ -22,7 +22,7 @@ directory), and nothing when unset::
                   GC_INVERSE_EMA=A: that delay followed through an exponential average (A per compressed step,
                   from its first value), as the measured W lags a stage's change of density
     GC_COSLOG=DIR  log, at every SGD step, the cosine between the gradient the step reads (.grad, the average) and the
-                  one it read before, with both norms, to DIR/cos-PID.jsonl (one optimizer of each process: rank 0)
+                  one it read before, with its norm and the rate, to DIR/cos-PID.jsonl (one optimizer of each process: rank 0)
     GC_NOSTABLE=1  top-k's momentum shortened by the density's delay alone, also where the learning rate has
                   fallen below its peak (DelayedMomentumSGD's stable_delay gives up more there)
     GC_PEAKFREE=1  top-k's momentum not shortened at the peak learning rate (k = 1 there), shortened below it as
