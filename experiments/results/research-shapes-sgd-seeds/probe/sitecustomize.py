@@ -33,6 +33,12 @@ directory), and nothing when unset::
                   momentum for GC_CALM_HOLD (20) steps (every rank sees the same average: the ranks agree)
     GC_DENSE_MOMENTUM=B  the study's SGD-momentum loops with momentum B and the peak rate times (1 - B) / (1 - m): every
                   step, dense ones too, answers new gradients as the top-k stage's do, at the same steady state
+    GC_KCAP=K     top-k's momentum shortened at the peak rate by at most (1 + m) (1 - 1 / K) steps, m = beta / (1 - beta):
+                  a compressed step answers a new gradient at most K times as hard as the optimizer's own step
+                  (k = (1 + m) / (1 + m - D) <= K); K = 2 is the constant's own k at momentum 0.9 and top-k 1 %, so
+                  the study's loops do not change; below the peak, stable_delay as before. GC_SHARE=1 instead: the
+                  delay given up is delay_at's times m / 9 (a constant share of the momentum's own memory; the
+                  recipe's own, min(1, m / 9), once gradcomp has memory_share: then a no-op)
     GC_CRITICAL=ETA  Accordion: a window of GC_CRITICAL_WINDOW (10) steps dense whenever the averaged gradient's
                   mean norm over the last window moved by ETA or more of the window's before
 """
@@ -314,3 +320,18 @@ if dense_loops is not None:
         return dense_replace(loop, momentum=dense_beta, lr=loop.lr * (1 - dense_beta) / (1 - loop.momentum))
 
     dense_loops.loop_for = shorter_loop_for
+if os.environ.get("GC_KCAP") or os.environ.get("GC_SHARE"):
+    import gradcomp.optim.delayed_momentum as capped
+
+    capped_stable, kcap = capped.stable_delay, float(os.environ.get("GC_KCAP") or 0)
+    share = bool(os.environ.get("GC_SHARE")) and not hasattr(capped, "memory_share")  # the recipe's own since
+
+    def capped_stable_delay(delay, beta, rate_ratio):
+        m = beta / (1.0 - beta) if 0 < beta < 1 else 0.0
+        if share:
+            delay = delay * m / 9.0
+        if kcap:
+            delay = min(delay, (1.0 + m) * (1.0 - 1.0 / kcap))
+        return capped_stable(delay, beta, rate_ratio)
+
+    capped.stable_delay = capped_stable_delay

@@ -1,24 +1,26 @@
-"""Each probe of this directory (``NAME.json``, the convergence study's rows) against dense and the recipe of the same
+"""Each probe of a directory (``NAME.json``, the convergence study's rows) against dense and the recipe of the same
 workload and seed, all made on one machine (``here.json``): per workload, how many seeds reach dense's final held-out
 loss x 1.02, and the medians of the final loss and of the last ten evaluations' median against dense's.
 
 Usage, from the repository root: ``PYTHONPATH=experiments/results/research-shapes-sgd-seeds python
-experiments/results/research-shapes-sgd-seeds/ramp-only/compare.py`` (the parent directory's ``summarize`` helpers).
+experiments/results/research-shapes-sgd-seeds/ramp-only/compare.py [DIRECTORY]`` (the parent directory's
+``summarize`` helpers; DIRECTORY defaults to this one's).
 """
 import glob
 import json
 import os
 import statistics
+import sys
 
 from summarize import TARGET, reached, settled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def main() -> None:
-    base = {(r["workload"], r["seed"], r["method"]): r for r in json.load(open(os.path.join(HERE, "here.json")))}
+def main(directory: str = HERE) -> None:
+    base = {(r["workload"], r["seed"], r["method"]): r for r in json.load(open(os.path.join(directory, "here.json")))}
     probes = [("recipe", [r for r in base.values() if r["method"] == "topk"])]
-    probes += [(os.path.basename(p)[:-5], json.load(open(p))) for p in sorted(glob.glob(os.path.join(HERE, "*.json")))
+    probes += [(os.path.basename(p)[:-5], json.load(open(p))) for p in sorted(glob.glob(os.path.join(directory, "*.json")))
                if not p.endswith("here.json")]
     print(f"| run | workload | seeds reaching dense x {TARGET} | final loss vs dense, median | last ten evaluations vs "
           "dense's, median | final loss vs dense, by seed |")
@@ -36,4 +38,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])
