@@ -22,6 +22,7 @@ def optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list,
     ``freeze_cost(delay)`` words what a later freeze costs). SGD with momentum under a sparsifier:
     :class:`~gradcomp.optim.DelayedMomentumSGD`. Other optimizers: none, with a note in ``notes`` (appended)."""
     from gradcomp.optim import DelayedMomentumSGD, FrozenVarianceAdam
+    from gradcomp.optim.delayed_momentum import DELAY_MOMENTUM
 
     if isinstance(optimizer, torch.optim.Adam):
         exchange = "momentum" if compressor.sparsifies else "gradient"
@@ -39,7 +40,8 @@ def optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list,
         if momentum and compressor.sparsifies and not sharded:
             stage = DelayedMomentumSGD(optimizer, named, step_hook=step_hook)
             return stage, (f"error feedback into SGD (its momentum after the exchange, shortened by "
-                           f"{stage.delay_steps:g} steps' delay on compressed steps)")
+                           f"{stage.delay_steps:g} steps' delay on compressed steps, a share of it below momentum "
+                           f"{DELAY_MOMENTUM:g})")
         return None, f"error feedback into SGD{' (its momentum after the exchange)' if momentum else ''}"
     if optimizer is not None:
         notes.append(f"{type(optimizer).__name__} has no optimizer-aware stage: plain error feedback with "

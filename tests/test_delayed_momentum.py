@@ -10,7 +10,26 @@ import torch
 from gradcomp.compressors import ThreeBit, TopK
 from gradcomp.compressors.per_parameter import PerParameter
 from gradcomp.optim import DelayedMomentumSGD
-from gradcomp.optim.delayed_momentum import DELAY_DENSITY, DELAY_STEPS, compressed_momentum, delay_at, stable_delay
+from gradcomp.optim.delayed_momentum import (
+    DELAY_DENSITY,
+    DELAY_MOMENTUM,
+    DELAY_STEPS,
+    compressed_momentum,
+    delay_at,
+    memory_share,
+    stable_delay,
+)
+
+
+def test_a_shorter_memory_gives_up_the_same_share_of_itself_and_a_longer_one_the_screened_steps():
+    """memory_share(beta): m / m0 below DELAY_MOMENTUM (m = beta / (1 - beta)), 1 at and above it, so the study's
+    loops (momentum 0.9) give up DELAY_STEPS bit for bit."""
+    assert DELAY_MOMENTUM == 0.9 and memory_share(0.9) == 1.0 and memory_share(0.99) == 1.0
+    assert memory_share(0.8) == pytest.approx(4 / 9) and memory_share(0.5) == pytest.approx(1 / 9)
+    assert memory_share(0.0) == 0.0
+    for beta in (0.3, 0.5, 0.8, 0.9):  # the same share of the memory is left: beta' / (1 - beta') over m
+        fast, m = compressed_momentum(beta, DELAY_STEPS * memory_share(beta)), beta / (1 - beta)
+        assert fast / (1 - fast) / m == pytest.approx(4 / 9)
 
 
 def test_the_shortened_momentum_gives_up_the_delay_in_steps_and_never_goes_below_zero():
@@ -102,10 +121,12 @@ def _grads(model, step):
 
 
 SETTINGS = [dict(momentum=0.9), dict(momentum=0.9, weight_decay=1e-2), dict(momentum=0.9, nesterov=True),
-            dict(momentum=0.9, dampening=0.3), dict(momentum=0.95, maximize=True, weight_decay=1e-3)]
+            dict(momentum=0.9, dampening=0.3), dict(momentum=0.95, maximize=True, weight_decay=1e-3),
+            dict(momentum=0.8)]
+IDS = ["plain", "wd", "nesterov", "dampening", "maximize", "short-memory"]
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["plain", "wd", "nesterov", "dampening", "maximize"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=IDS)
 def test_a_compressed_step_is_torchs_sgd_with_the_short_momentum_on_the_rescaled_buffer(settings):
     """Dense steps are the optimizer's own (bitwise); a compressed step equals torch's SGD with momentum
     beta' and lr k * lr on the buffer divided by k (k = (1 - beta') / (1 - beta)), the buffer kept in the
@@ -122,8 +143,9 @@ def test_a_compressed_step_is_torchs_sgd_with_the_short_momentum_on_the_rescaled
     for a, b in zip(model.parameters(), plain.parameters()):
         assert torch.equal(a, b)
     beta = settings["momentum"]
-    fast = compressed_momentum(beta)
+    fast = compressed_momentum(beta, DELAY_STEPS * memory_share(beta))  # 0.8: 20/9 of its 4 steps, not all
     k = (1 - fast) / (1 - beta)
+    assert beta != 0.8 or fast == pytest.approx(16 / 25)
     short = copy.deepcopy(plain)
     short_opt = torch.optim.SGD(short.parameters(), lr=0.05 * k, **{**settings, "momentum": fast})
     for p, q in zip(plain.parameters(), short.parameters()):
@@ -266,7 +288,7 @@ def _one_by_one(params, optimizer, group, delays):
         param.grad = None  # the optimizer's own step leaves it alone
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["plain", "wd", "nesterov", "dampening", "maximize"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=IDS)
 def test_the_multi_tensor_step_is_bitwise_the_step_taken_one_parameter_at_a_time(settings):
     """Parameters held back alike step together (torch's _foreach ops); held back at other densities, with a
     buffer or starting one, the result is bit for bit the per-parameter arithmetic."""
@@ -284,7 +306,9 @@ def test_the_multi_tensor_step_is_bitwise_the_step_taken_one_parameter_at_a_time
             else:
                 stage.after_compress([name], None, TopK(density), 0)
         optimizer.step()
-        delays = [0.0 if d is None or (step == 0 and n == "0.bias") else delay_at(d) for n, d in zip(names, densities)]
+        share = memory_share(settings["momentum"])
+        delays = [0.0 if d is None or (step == 0 and n == "0.bias") else delay_at(d) * share
+                  for n, d in zip(names, densities)]
         _one_by_one(list(twin.parameters()), twin_opt, twin_opt.param_groups[0], delays)
         twin_opt.step()  # the parameters the reference left to SGD's own step
     for p, q in zip(model.parameters(), twin.parameters()):

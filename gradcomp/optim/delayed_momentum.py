@@ -6,8 +6,8 @@ releases it: gradient mass reaches the optimizer late, and a late gradient acts 
 that surplus left top-k 9 % above dense held-out loss on both transformers of the convergence study.
 While a parameter's group is compressed, this stage gives its SGD update a momentum ``beta'`` whose own
 mean delay ``beta' / (1 - beta')`` is the explicit one's, ``beta / (1 - beta)``, less :func:`delay_at`
-(:data:`DELAY_STEPS` at top-k 1 %, less for a denser payload), at the same step size for a steady gradient
-(``lr / (1 - beta)``). Written in the
+(:data:`DELAY_STEPS` at top-k 1 %, less for a denser payload; a share of it below momentum 0.9, :func:`memory_share`),
+at the same step size for a steady gradient (``lr / (1 - beta)``). Written in the
 optimizer's own buffer (``b``, its units unchanged, so dense steps, checkpoints and a switch back go on as
 they would)::
 
@@ -37,8 +37,8 @@ import torch
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
-__all__ = ["DelayedMomentumSGD", "DELAY_STEPS", "DELAY_DENSITY", "compressed_momentum", "delay_at",
-           "held_back_density", "stable_delay"]
+__all__ = ["DelayedMomentumSGD", "DELAY_STEPS", "DELAY_DENSITY", "DELAY_MOMENTUM", "compressed_momentum",
+           "delay_at", "held_back_density", "memory_share", "stable_delay"]
 
 #: The mean delay, in steps, that error feedback adds at top-k density :data:`DELAY_DENSITY`, which the momentum
 #: gives up (0.9 becomes 0.8: a mean delay of 4 steps in place of 9). Screened on the GPT and charlm-small under
@@ -55,6 +55,13 @@ DELAY_STEPS = 5.0
 #: (a coordinate waits about as long as it takes to rank among the top ``rho`` share). With the whole 5 steps
 #: from the ramp's first density (1/8) on, the CNN of the study (shapes) diverged 16 steps after its dense start.
 DELAY_DENSITY = 0.01
+#: The momentum :data:`DELAY_STEPS` was screened at (a memory of 9 steps). A shorter memory gives up the same share
+#: of itself (:func:`memory_share`), a longer one no more than the screened steps. At momentum 0.8 and twice the rate
+#: (the same steady step) the whole 4.25 steps at 2 % leave none of its 4 steps: compressed steps are plain SGD
+#: answering a new gradient 5x harder: the GPT ended +4.8 / +3.6 % above that loop's dense (seeds 0, 1), +3.8 / +2.6 %
+#: giving up half its memory plus a step, +3.2 / +2.9 % none, +1.5 / +1.8 % the same share as at 0.9 (proselm +0.5
+#: against +0.3 %; ``experiments/results/research-shapes-sgd-seeds/momentum08/``).
+DELAY_MOMENTUM = 0.9
 
 
 def delay_at(density: float, delay_steps: float = DELAY_STEPS) -> float:
@@ -62,6 +69,14 @@ def delay_at(density: float, delay_steps: float = DELAY_STEPS) -> float:
     if not 0 < density < 1:
         return 0.0
     return delay_steps * min(1.0, math.log(1 / density) / math.log(1 / DELAY_DENSITY))
+
+
+def memory_share(beta: float) -> float:
+    """The share of :func:`delay_at`'s steps momentum ``beta`` gives up: ``min(1, m / m0)``, ``m = beta / (1 - beta)``
+    and ``m0`` :data:`DELAY_MOMENTUM`'s (1 at 0.9 and above, 4/9 at 0.8, 0 without momentum)."""
+    if not 0 < beta < 1:
+        return 0.0
+    return min(1.0, (beta / (1.0 - beta)) / (DELAY_MOMENTUM / (1.0 - DELAY_MOMENTUM)))
 
 
 def stable_delay(delay: float, beta: float, rate_ratio: float) -> float:
@@ -177,7 +192,7 @@ class DelayedMomentumSGD:
                 if param.grad is not None and delay > 0:
                     alike.setdefault(delay, []).append(param)
             for delay, params in alike.items():
-                fast = compressed_momentum(beta, stable_delay(delay, beta, ratio))
+                fast = compressed_momentum(beta, stable_delay(delay * memory_share(beta), beta, ratio))
                 self._step(params, group, fast, (1 - fast) / (1 - beta))
                 self._cleared += [(param, param.grad) for param in params]
                 for param in params:

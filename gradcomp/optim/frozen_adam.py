@@ -21,10 +21,10 @@ The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrang
      (per rank, in :meth:`state_dict`), with error feedback. ``.grad`` holds the average of the first
      moments (in gradient units) and ``exp_avg`` becomes it. A top-k coordinate waits many steps in
      the residual; the momentum's own delay then passes during that wait instead of after it
-     (charlm-small, AdamW, top-k 1%, 600 steps: +5.7% held-out loss over dense, +11.6% exchanging the
-     gradient). The wait is a delay of its own, which ``b1'`` gives up as SGD's stage does
-     (:mod:`gradcomp.optim.delayed_momentum`): ``b1' / (1 - b1') = b1 / (1 - b1) - delay_at(density)``,
-     0.9 becoming 0.8 at top-k 1 %, the steady state unchanged.
+     (charlm-small, AdamW, top-k 1%, 600 steps: +5.7% held-out loss over dense, +11.6% exchanging the gradient).
+     The wait is a delay of its own, which ``b1'`` gives up as SGD's stage does (:mod:`.delayed_momentum`):
+     ``b1' / (1 - b1') = b1 / (1 - b1) - delay_at(density)``, 0.9 becoming 0.8 at top-k 1 %, the steady state
+     unchanged; a shorter ``b1`` gives up the same share of its memory (``memory_share``: 0.8 becomes 0.64 at 1 %).
 
    A step pre-hook reads ``.grad`` as the loop left it (clipped, unscaled, ...) and applies
    ``p -= lr * m / (1 - b1^t) / d`` (AdamW: after ``p *= 1 - lr * wd``; Adam: ``wd * p`` joins the
@@ -61,7 +61,7 @@ from gradcomp.optim.adam_settings import (
     decoupled_weight_decay,
     optimizer_settings,
 )
-from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_density
+from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_density, memory_share
 from gradcomp.optim.freeze_gate import FreezeGate
 from gradcomp.optim.frozen_adam_load import prepare_load, state_dict
 from gradcomp.optim.frozen_update import bounded_step, frozen_update
@@ -263,7 +263,7 @@ class FrozenVarianceAdam:
             moment = self.moments.get(key)
             if moment is None:  # the first compressed step starts from Adam's own first moment
                 moment = self.optimizer.state[param]["exp_avg"].reshape(-1).float().clone()
-            weight = 1 - compressed_momentum(group["betas"][0], delay)
+            weight = 1 - compressed_momentum(group["betas"][0], delay * memory_share(group["betas"][0]))
             by_weight.setdefault(weight, []).append((key, piece, moment))
         pending = []
         for weight, entries in by_weight.items():
