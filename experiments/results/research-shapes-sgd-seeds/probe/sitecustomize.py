@@ -39,6 +39,8 @@ directory), and nothing when unset::
                   the study's loops do not change; below the peak, stable_delay as before. GC_SHARE=1 instead: the
                   delay given up is delay_at's times m / 9 (a constant share of the momentum's own memory; the
                   recipe's own, min(1, m / 9), once gradcomp has memory_share: then a no-op)
+    GC_CONSTANT=1  SGD's stage gives up delay_at's steps whatever the momentum (the recipe before memory_share:
+                  every momentum below 0.9 gives up the steps screened at 0.9)
     GC_CRITICAL=ETA  Accordion: a window of GC_CRITICAL_WINDOW (10) steps dense whenever the averaged gradient's
                   mean norm over the last window moved by ETA or more of the window's before
 """
@@ -335,3 +337,7 @@ if os.environ.get("GC_KCAP") or os.environ.get("GC_SHARE"):
         return capped_stable(delay, beta, rate_ratio)
 
     capped.stable_delay = capped_stable_delay
+if os.environ.get("GC_CONSTANT"):
+    import gradcomp.optim.delayed_momentum as constant
+
+    constant.memory_share = lambda beta: 1.0 if 0 < beta < 1 else 0.0
