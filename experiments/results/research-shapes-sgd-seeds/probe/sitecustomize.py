@@ -41,6 +41,9 @@ directory), and nothing when unset::
                   recipe's own, min(1, m / 9), once gradcomp has memory_share: then a no-op)
     GC_CONSTANT=1  SGD's stage gives up delay_at's steps whatever the momentum (the recipe before memory_share:
                   every momentum below 0.9 gives up the steps screened at 0.9)
+    GC_SHARPLOG=DIR  log, at every SGD step, the curvature along the last step (a secant: <g_t - g_t-1, p_t - p_t-1> /
+                  |p_t - p_t-1|^2, from the averaged gradient and the parameters every rank holds alike) times the
+                  rate, over SGD-momentum's stability bound 2 (1 + beta), to DIR/sharp-PID.jsonl (rank 0's optimizer)
     GC_CRITICAL=ETA  Accordion: a window of GC_CRITICAL_WINDOW (10) steps dense whenever the averaged gradient's
                   mean norm over the last window moved by ETA or more of the window's before
 """
@@ -341,3 +344,34 @@ if os.environ.get("GC_CONSTANT"):
     import gradcomp.optim.delayed_momentum as constant
 
     constant.memory_share = lambda beta: 1.0 if 0 < beta < 1 else 0.0
+if os.environ.get("GC_SHARPLOG"):
+    import json as sharp_json
+
+    import torch as sharp_torch
+
+    sharp_log = open(os.path.join(os.environ["GC_SHARPLOG"], f"sharp-{os.getpid()}.jsonl"), "a")
+    sharp_state = {"owner": None, "previous": None, "calls": 0}
+    sharp_step = sharp_torch.optim.SGD.step
+
+    def sharp_logged_step(self, *args, **kwargs):
+        if sharp_state["owner"] is None:
+            sharp_state["owner"] = id(self)
+        if sharp_state["owner"] == id(self):
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if params:
+                grad = sharp_torch.cat([p.grad.reshape(-1) for p in params]).double()
+                flat = sharp_torch.cat([p.detach().reshape(-1) for p in params]).double()
+                previous = sharp_state["previous"]
+                if previous is not None and previous[0].numel() == grad.numel():
+                    dp, dg = flat - previous[1], grad - previous[0]
+                    move = float(dp @ dp)
+                    group = self.param_groups[0]
+                    curvature = float(dg @ dp) / move if move > 0 else 0.0
+                    sharp_log.write(sharp_json.dumps({
+                        "call": sharp_state["calls"], "curvature": curvature, "lr": group["lr"],
+                        "edge": group["lr"] * curvature / (2 * (1 + group["momentum"]))}) + "\n")
+                sharp_state["previous"] = (grad, flat)
+            sharp_state["calls"] += 1
+        return sharp_step(self, *args, **kwargs)
+
+    sharp_torch.optim.SGD.step = sharp_logged_step
