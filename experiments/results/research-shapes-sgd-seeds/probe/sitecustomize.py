@@ -283,30 +283,43 @@ if os.environ.get("GC_CALM"):
         return calm_step(self)
 
     calm.DelayedMomentumSGD.before_optimizer_step = calm_before_optimizer_step
+
+
+def log_first_sgd_steps(directory, prefix, record):
+    """Wrap torch's ``SGD.step``: before each step of the process's first SGD optimizer (rank 0's), from its second
+    on, write ``{"call": n, **record(param_group, now, before)}`` to ``directory/prefix-PID.jsonl``; ``now`` and
+    ``before`` are ``(gradient, parameters)`` of this step and the one before, flat float64 copies."""
+    import json
+
+    import torch
+
+    log = open(os.path.join(directory, f"{prefix}-{os.getpid()}.jsonl"), "a")
+    state, step = {"owner": None, "previous": None, "calls": 0}, torch.optim.SGD.step
+
+    def logged_step(self, *args, **kwargs):
+        if state["owner"] is None:
+            state["owner"] = id(self)
+        if state["owner"] == id(self):
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if params:
+                now = (torch.cat([p.grad.reshape(-1) for p in params]).double(),
+                       torch.cat([p.detach().reshape(-1) for p in params]).double())
+                before = state["previous"]
+                if before is not None and before[0].numel() == now[0].numel():
+                    log.write(json.dumps({"call": state["calls"], **record(self.param_groups[0], now, before)}) + "\n")
+                state["previous"] = now
+            state["calls"] += 1
+        return step(self, *args, **kwargs)
+
+    torch.optim.SGD.step = logged_step
+
+
 if os.environ.get("GC_COSLOG"):
-    import json as cos_json
+    def cosine(group, now, before):
+        dot, norm, previous = float(now[0] @ before[0]), float(now[0].norm()), float(before[0].norm())
+        return {"cos": dot / max(norm * previous, 1e-30), "norm": norm, "lr": group["lr"]}
 
-    import torch as cos_torch
-
-    cos_log = open(os.path.join(os.environ["GC_COSLOG"], f"cos-{os.getpid()}.jsonl"), "a")
-    cos_state = {"owner": None, "previous": None, "calls": 0}
-    cos_step = cos_torch.optim.SGD.step
-
-    def cos_logged_step(self, *args, **kwargs):
-        if cos_state["owner"] is None:
-            cos_state["owner"] = id(self)
-        if cos_state["owner"] == id(self):
-            grads = [p.grad.reshape(-1) for g in self.param_groups for p in g["params"] if p.grad is not None]
-            flat = cos_torch.cat(grads).double() if grads else None
-            previous = cos_state["previous"]
-            if flat is not None and previous is not None and previous.numel() == flat.numel():
-                dot, norm, before = float(flat @ previous), float(flat.norm()), float(previous.norm())
-                cos_log.write(cos_json.dumps({"call": cos_state["calls"], "cos": dot / max(norm * before, 1e-30),
-                                              "norm": norm, "lr": self.param_groups[0]["lr"]}) + "\n")
-            cos_state["previous"], cos_state["calls"] = flat, cos_state["calls"] + 1
-        return cos_step(self, *args, **kwargs)
-
-    cos_torch.optim.SGD.step = cos_logged_step
+    log_first_sgd_steps(os.environ["GC_COSLOG"], "cos", cosine)
 dense_loops = None
 if os.environ.get("GC_DENSE_MOMENTUM"):
     try:  # the study's orchestrating process starts before the repository is on its path; it trains nothing
@@ -345,33 +358,11 @@ if os.environ.get("GC_CONSTANT"):
 
     constant.memory_share = lambda beta: 1.0 if 0 < beta < 1 else 0.0
 if os.environ.get("GC_SHARPLOG"):
-    import json as sharp_json
+    def secant(group, now, before):
+        dg, dp = now[0] - before[0], now[1] - before[1]
+        move = float(dp @ dp)
+        curvature = float(dg @ dp) / move if move > 0 else 0.0
+        return {"curvature": curvature, "lr": group["lr"],
+                "edge": group["lr"] * curvature / (2 * (1 + group["momentum"]))}
 
-    import torch as sharp_torch
-
-    sharp_log = open(os.path.join(os.environ["GC_SHARPLOG"], f"sharp-{os.getpid()}.jsonl"), "a")
-    sharp_state = {"owner": None, "previous": None, "calls": 0}
-    sharp_step = sharp_torch.optim.SGD.step
-
-    def sharp_logged_step(self, *args, **kwargs):
-        if sharp_state["owner"] is None:
-            sharp_state["owner"] = id(self)
-        if sharp_state["owner"] == id(self):
-            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            if params:
-                grad = sharp_torch.cat([p.grad.reshape(-1) for p in params]).double()
-                flat = sharp_torch.cat([p.detach().reshape(-1) for p in params]).double()
-                previous = sharp_state["previous"]
-                if previous is not None and previous[0].numel() == grad.numel():
-                    dp, dg = flat - previous[1], grad - previous[0]
-                    move = float(dp @ dp)
-                    group = self.param_groups[0]
-                    curvature = float(dg @ dp) / move if move > 0 else 0.0
-                    sharp_log.write(sharp_json.dumps({
-                        "call": sharp_state["calls"], "curvature": curvature, "lr": group["lr"],
-                        "edge": group["lr"] * curvature / (2 * (1 + group["momentum"]))}) + "\n")
-                sharp_state["previous"] = (grad, flat)
-            sharp_state["calls"] += 1
-        return sharp_step(self, *args, **kwargs)
-
-    sharp_torch.optim.SGD.step = sharp_logged_step
+    log_first_sgd_steps(os.environ["GC_SHARPLOG"], "sharp", secant)
