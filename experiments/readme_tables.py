@@ -17,7 +17,8 @@ fails (exit 1) when the README differs from what the results say (``tests/test_r
                   ``experiments.horovod_step_times``)
 ================  =============================================================================
 
-and ``fsdp-convergence``, the convergence table of the runs under FSDP2 against FSDP's own dense
+and ``study-accuracy``, the classifiers' cells of ``study-time`` timed to dense's final accuracy less half a point
+(the same file); ``fsdp-convergence``, the convergence table of the runs under FSDP2 against FSDP's own dense
 (``experiments/results/fsdp-convergence/convergence.json``, ``experiments.convergence --parallel fsdp``), and
 ``auto``, what ``Auto`` chose on each link of the main job's step times and its step against dense's
 (``experiments/results/main/step_times/``: ``policy_choices.json`` and the step-time rows).
@@ -37,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = {"convergence": "experiments/results/convergence/convergence.json",
            "time": "experiments/results/main/time_to_accuracy/time_to_accuracy.json",
            "study-time": "experiments/results/time_to_accuracy/time_to_accuracy.json",
+           "study-accuracy": "experiments/results/time_to_accuracy/time_to_accuracy.json",
            "horovod-time": "experiments/results/horovod-tta/time_to_accuracy/time_to_accuracy.json",
            "fsdp-convergence": "experiments/results/fsdp-convergence/convergence.json",
            "auto": "experiments/results/main/step_times/policy_choices.json"}
@@ -159,6 +161,27 @@ def study_time_table(rows: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def study_accuracy_table(rows: List[dict]) -> str:
+    """The classifiers' cells of :func:`study_time_table` timed by accuracy: top-k's and 2-bit's time to dense's
+    final accuracy less half a point, over dense's time to its own final accuracy."""
+    rows = [r for r in rows if r.get("accuracy_target") is not None]
+    links = sorted({r["link"] for r in rows}, key=LINK_ORDER.index)
+    at = {(r["workload"], r["optimizer"], r["method"], r["link"]): r for r in rows}
+
+    def ratio(row) -> str:
+        if row is None:
+            return "–"
+        value = row["accuracy_time_ratio_vs_dense"]
+        return "never" if value is None else f"{value:.2f}x"
+
+    lines = ["| workload | optimizer | " + " | ".join(links) + " |", "|---|---|" + "---|" * len(links)]
+    for workload, optimizer in sorted({(r["workload"], r["optimizer"]) for r in rows}):
+        cells = [f"{ratio(at.get((workload, optimizer, 'topk', link)))} / "
+                 f"{ratio(at.get((workload, optimizer, 'twobit', link)))}" for link in links]
+        lines.append(f"| {workload} | {optimizer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def auto_table(choices: Dict[str, List[dict]]) -> str:
     """Per link: what ``Auto`` chose in the last round (groups and elements per choice), the candidates its
     trials rejected, and its step against dense's, paired step by step (:data:`AUTO_STEP_TIMES`)."""
@@ -178,6 +201,7 @@ def auto_table(choices: Dict[str, List[dict]]) -> str:
 
 TABLES: Dict[str, Callable[[List[dict]], str]] = {"convergence": convergence_table, "time": time_table,
                                                   "study-time": study_time_table, "horovod-time": time_table,
+                                                  "study-accuracy": study_accuracy_table,
                                                   "fsdp-convergence": convergence_table, "auto": auto_table}
 
 

@@ -16,6 +16,12 @@ link of the step-time benchmark (``step_times_*.json``, :mod:`experiments.step_t
   at the final setting is dense's times the benchmark's paired ratio to dense
   (:func:`paired_step_time`; ``step_ratio_vs_dense``, ``ratio_spread``).
 
+For the classifiers (rows whose runs record ``eval_accuracy``) the same time by accuracy, beside the loss's:
+the target is dense's final accuracy less :data:`ACCURACY_TOLERANCE` (the study's goal for them), dense's time
+the time to its own final accuracy (``accuracy_target``, ``steps_to_accuracy``, ``accuracy_time_ratio_vs_dense``,
+``accuracy_time_ratio_by_seed``; ``None`` elsewhere). A held-out loss near 0.01 moves by tens of percent with a few
+confident errors, and dense's own last evaluations range wider than the loss target's 2 %.
+
 Runs of one code and seed part between machines (vector units round differently), so each row says
 whether its seeds' runs and dense's were made on one machine (``same_machine_as_dense``: ``True``,
 ``False`` where any seed's pair names two, ``None`` where a run recorded none); the table marks ``False``.
@@ -48,6 +54,8 @@ from experiments.study_report import OTHER_MACHINE, same_machine
 __all__ = ["rows_for", "run_time", "read_step_times", "main"]
 
 TARGET_FACTOR = 1.02
+#: The classifiers' accuracy target: dense's final accuracy less this (the convergence goal's 0.5 points).
+ACCURACY_TOLERANCE = 0.005
 #: The methods whose dense start is sent as an fp16 cast (the recipes without a policy).
 CAST_START = ("topk", "twobit")
 
@@ -61,10 +69,13 @@ def _reached(evals: List[list], target: float) -> Optional[int]:
     return None
 
 
-def _steps_to(evals: List[list], target: float) -> Optional[int]:
-    """Optimizer steps until the held-out loss first reaches ``target``."""
-    index = _reached(evals, target)
-    return None if index is None else evals[index][0] + 1
+def _reached_accuracy(run: dict, target: float) -> Optional[int]:
+    """The index of the first evaluation whose accuracy (``run["eval_accuracy"]``, one per entry of ``evals``)
+    reaches ``target``, or None."""
+    for index, ((step, _, _), accuracy) in enumerate(zip(run["evals"], run["eval_accuracy"])):
+        if step >= 0 and accuracy >= target:
+            return index
+    return None
 
 
 def run_time(run: dict, index: int, step_time: float, dense_step_time: float,
@@ -99,11 +110,17 @@ def run_time(run: dict, index: int, step_time: float, dense_step_time: float,
 
 
 def _seed_result(run: dict, dense: dict, step_time: float, dense_step_time: float,
-                 start_step_time: Optional[float] = None) -> tuple:
+                 start_step_time: Optional[float] = None, accuracy: bool = False) -> tuple:
     """``(steps to the target, time ratio to dense, time model)`` of one seed's run against the dense run
-    of the same seed on one link; ``None`` for the first two where it never reaches the target."""
-    reached = _reached(run["evals"], dense["final_loss"] * TARGET_FACTOR)
-    dense_steps = _steps_to(dense["evals"], dense["final_loss"])
+    of the same seed on one link (``accuracy``: the accuracy target); ``None`` for the first two where it never
+    reaches the target."""
+    if accuracy:
+        reached = _reached_accuracy(run, dense["final_accuracy"] - ACCURACY_TOLERANCE)
+        own = _reached_accuracy(dense, dense["final_accuracy"])
+    else:
+        reached = _reached(run["evals"], dense["final_loss"] * TARGET_FACTOR)
+        own = _reached(dense["evals"], dense["final_loss"])
+    dense_steps = None if own is None else dense["evals"][own][0] + 1
     if reached is None or not dense_steps:
         return None, None, None
     seconds, model = run_time(run, reached, step_time, dense_step_time, start_step_time)
@@ -150,6 +167,8 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
                    "step_times_of": timed["workload"], "time_ratio_vs_dense": ratio,
                    "time_model": next((r[2] for r in results if r[2] is not None), None), "seeds": seeds,
                    "time_ratio_by_seed": [r[1] for r in results], "integration": timed.get("integration", "ddp")}
+            row.update(_accuracy_fields([runs[(workload, optimizer, m, s)] for s in seeds for m in (method, "dense")],
+                                        step_time, dense_timed["step_time"], start_time))
             row["same_machine_as_dense"] = _same_machine([runs[(workload, optimizer, method, s)] for s in seeds],
                                                          [runs[(workload, optimizer, "dense", s)] for s in seeds])
             if method == "dense":
@@ -159,6 +178,22 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
                                                    if loopback is not None else None)
             rows.append(row)
     return rows
+
+
+def _accuracy_fields(pairs: List[dict], step_time: float, dense_step_time: float,
+                     start_step_time: Optional[float]) -> dict:
+    """The accuracy criterion's fields of a row (module docstring); ``pairs``: each seed's run followed by dense's.
+    ``None`` where a run records no accuracy by evaluation."""
+    runs, denses = pairs[0::2], pairs[1::2]
+    if not all(r.get("eval_accuracy") for r in pairs) or any(d.get("final_accuracy") is None for d in denses):
+        return {"accuracy_target": None, "steps_to_accuracy": None, "accuracy_time_ratio_vs_dense": None,
+                "accuracy_time_ratio_by_seed": None}
+    results = [_seed_result(r, d, step_time, dense_step_time, start_step_time, accuracy=True)
+               for r, d in zip(runs, denses)]
+    return {"accuracy_target": denses[0]["final_accuracy"] - ACCURACY_TOLERANCE,
+            "steps_to_accuracy": _median_high([r[0] for r in results]),
+            "accuracy_time_ratio_vs_dense": _median_high([r[1] for r in results]),
+            "accuracy_time_ratio_by_seed": [r[1] for r in results]}
 
 
 def _same_machine(runs: List[dict], dense_runs: List[dict]) -> Optional[bool]:
@@ -190,18 +225,20 @@ def _timing(times: Dict[tuple, dict], workload: str, optimizer: str, method: str
 
 def markdown(rows: List[dict]) -> str:
     lines = ["| workload | optimizer | link | method | steps to target | step (ms) | spread | step vs dense, paired "
-             "(spread) | time vs dense | dense step / compute | dense step / loopback's |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(spread) | time vs dense | time vs dense, accuracy | dense step / compute | dense step / loopback's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "never" if r["time_ratio_vs_dense"] is None else f"{r['time_ratio_vs_dense']:.2f}x"
         ratio += OTHER_MACHINE if r.get("same_machine_as_dense") is False else ""
+        by_accuracy = "" if r.get("accuracy_target") is None else (
+            "never" if r["accuracy_time_ratio_vs_dense"] is None else f"{r['accuracy_time_ratio_vs_dense']:.2f}x")
         over, paired = r.get("dense_step_over_compute"), r.get("step_ratio_vs_dense")
         loopback = r.get("dense_step_over_loopback")
         paired_text = "" if paired is None or r.get("ratio_spread") is None else (
             f"{paired:.3f}x ({r['ratio_spread']:.1%})")
         lines.append(f"| {r['workload']} | {r['optimizer']} | {r['link']} | {r['method']} | "
                      f"{r['steps_to_target'] if r['steps_to_target'] is not None else 'never'} | "
-                     f"{r['step_time'] * 1000:.1f} | {r['spread']:.1%} | {paired_text} | {ratio} | "
+                     f"{r['step_time'] * 1000:.1f} | {r['spread']:.1%} | {paired_text} | {ratio} | {by_accuracy} | "
                      f"{'' if over is None else f'{over:.2f}'} | {'' if loopback is None else f'{loopback:.2f}'} |")
     return "\n".join(lines) + "\n"
 

@@ -107,3 +107,18 @@ def test_the_study_time_table_gives_each_cell_its_methods_per_link_and_says_neve
     table = readme_tables.study_time_table(rows)
     assert "| w | adamw | never / 0.10x (20.0) | never / 0.95x (1.2) |" in table  # slow links first
     assert "spread between rounds 2%–2%, paired ratios 5.0%–5.0%; load before the timing run: 0.3" in table
+
+
+
+def test_the_study_accuracy_table_keeps_the_classifiers_rows_and_says_never():
+    from experiments import readme_tables
+
+    def row(workload, method, link, ratio):
+        target = None if workload == "lm" else 0.985
+        return {"workload": workload, "optimizer": "sgdm", "method": method, "link": link,
+                "accuracy_target": target, "accuracy_time_ratio_vs_dense": ratio}
+
+    rows = [row("cnn", "topk", "1gbit", 0.9), row("cnn", "twobit", "1gbit", None), row("cnn", "topk", "10mbit", 0.34),
+            row("cnn", "twobit", "10mbit", 0.15), row("lm", "topk", "10mbit", None)]
+    table = readme_tables.study_accuracy_table(rows)
+    assert "| cnn | sgdm | 0.34x / 0.15x | 0.90x / never |" in table and "| lm |" not in table

@@ -249,3 +249,27 @@ def test_a_later_step_times_directory_adds_only_the_methods_the_earlier_lack(tmp
                                                                timing("start", "1gbit", 0.6)]))
     rows = tta.read_step_times([str(first), str(second)])
     assert sorted((r["method"], r["step_time"]) for r in rows) == [("dense", 1.0), ("start", 0.6), ("topk", 0.2)]
+
+
+def test_a_classifier_row_also_gives_the_time_to_dense_accuracy_less_half_a_point():
+    """Rows whose runs record accuracy by evaluation: the step at which accuracy first reaches dense's final less
+    ACCURACY_TOLERANCE, timed as the loss's, over dense's time to its own final accuracy; a run whose loss never
+    reaches the loss target can reach the accuracy one. Rows without accuracy carry None."""
+    dense = run("dense", [3.0, 2.0, 1.0, 0.5], [1.0] * 4)
+    topk = run("topk", [3.0, 2.0, 1.5, 0.9], [1.0, 0.1, 0.1, 0.1])  # loss: never within 2 % of 0.5
+    dense["eval_accuracy"], dense["final_accuracy"] = [0.5, 0.9, 0.99, 0.99], 0.99
+    topk["eval_accuracy"] = [0.5, 0.8, 0.986, 0.99]  # 0.986 >= 0.99 - 0.005 at evaluation 2
+    times = [timing("dense", "10mbit", 1.0), timing("topk", "10mbit", 0.2)]
+    (row,) = [r for r in tta.rows_for([dense, topk], times) if r["method"] == "topk"]
+    assert tta.ACCURACY_TOLERANCE == 0.005 and row["accuracy_target"] == pytest.approx(0.985)
+    assert row["time_ratio_vs_dense"] is None and row["steps_to_accuracy"] == 3
+    # topk: one dense step then two at the final setting; dense reaches its own final accuracy at evaluation 2
+    assert row["accuracy_time_ratio_vs_dense"] == pytest.approx((1.0 + 2 * 0.2) / 3.0)
+    (own,) = [r for r in tta.rows_for([dense, topk], times) if r["method"] == "dense"]
+    assert own["accuracy_time_ratio_vs_dense"] == pytest.approx(1.0)
+    assert "| 0.47x |" in tta.markdown([row])
+    topk["eval_accuracy"] = [0.5, 0.8, 0.98, 0.984]  # never within half a point
+    (row,) = [r for r in tta.rows_for([dense, topk], times) if r["method"] == "topk"]
+    assert row["steps_to_accuracy"] is None and row["accuracy_time_ratio_vs_dense"] is None
+    del dense["eval_accuracy"], topk["eval_accuracy"]
+    assert all(r["accuracy_target"] is None for r in tta.rows_for([dense, topk], times))
