@@ -147,6 +147,8 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
                        and (workload, optimizer, "dense", s) in runs)
         if not seeds:
             continue
+        members = [runs[(workload, optimizer, method, s)] for s in seeds]
+        denses = [runs[(workload, optimizer, "dense", s)] for s in seeds]
         for link in links:
             timed = _timing(times, workload, optimizer, method, link)
             dense_timed = _timing(times, workload, optimizer, "dense", link)
@@ -155,11 +157,11 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
             step_time = paired_step_time(timed, dense_timed)
             start_timed = _timing(times, workload, optimizer, "start", link) if method in CAST_START else None
             start_time = paired_step_time(start_timed, dense_timed) if start_timed is not None else None
-            results = [_seed_result(runs[(workload, optimizer, method, s)], runs[(workload, optimizer, "dense", s)],
-                                    step_time, dense_timed["step_time"], start_time) for s in seeds]
+            results = [_seed_result(run, dense, step_time, dense_timed["step_time"], start_time)
+                       for run, dense in zip(members, denses)]
             ratio = _median_high([r[1] for r in results])
             row = {"workload": workload, "optimizer": optimizer, "method": method, "link": link,
-                   "target_loss": runs[(workload, optimizer, "dense", seeds[0])]["final_loss"] * TARGET_FACTOR,
+                   "target_loss": denses[0]["final_loss"] * TARGET_FACTOR,
                    "steps_to_target": _median_high([r[0] for r in results]), "step_time": timed["step_time"],
                    "spread": timed["spread"], "load_before": timed.get("load_before"),
                    "step_ratio_vs_dense": step_time / dense_timed["step_time"],
@@ -167,10 +169,8 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
                    "step_times_of": timed["workload"], "time_ratio_vs_dense": ratio,
                    "time_model": next((r[2] for r in results if r[2] is not None), None), "seeds": seeds,
                    "time_ratio_by_seed": [r[1] for r in results], "integration": timed.get("integration", "ddp")}
-            row.update(_accuracy_fields([runs[(workload, optimizer, m, s)] for s in seeds for m in (method, "dense")],
-                                        step_time, dense_timed["step_time"], start_time))
-            row["same_machine_as_dense"] = _same_machine([runs[(workload, optimizer, method, s)] for s in seeds],
-                                                         [runs[(workload, optimizer, "dense", s)] for s in seeds])
+            row.update(_accuracy_fields(members, denses, step_time, dense_timed["step_time"], start_time))
+            row["same_machine_as_dense"] = _same_machine(members, denses)
             if method == "dense":
                 loopback = _timing(times, workload, optimizer, "dense", "unshaped")
                 row["dense_step_over_compute"] = timed.get("dense_step_over_compute")
@@ -180,12 +180,11 @@ def rows_for(convergence: List[dict], step_times: List[dict]) -> List[dict]:
     return rows
 
 
-def _accuracy_fields(pairs: List[dict], step_time: float, dense_step_time: float,
+def _accuracy_fields(runs: List[dict], denses: List[dict], step_time: float, dense_step_time: float,
                      start_step_time: Optional[float]) -> dict:
-    """The accuracy criterion's fields of a row (module docstring); ``pairs``: each seed's run followed by dense's.
-    ``None`` where a run records no accuracy by evaluation."""
-    runs, denses = pairs[0::2], pairs[1::2]
-    if not all(r.get("eval_accuracy") for r in pairs) or any(d.get("final_accuracy") is None for d in denses):
+    """The accuracy criterion's fields of a row (module docstring) from each seed's run and dense's run of that
+    seed; ``None`` where a run records no accuracy by evaluation."""
+    if not all(r.get("eval_accuracy") for r in runs + denses) or any(d.get("final_accuracy") is None for d in denses):
         return {"accuracy_target": None, "steps_to_accuracy": None, "accuracy_time_ratio_vs_dense": None,
                 "accuracy_time_ratio_by_seed": None}
     results = [_seed_result(r, d, step_time, dense_step_time, start_step_time, accuracy=True)
