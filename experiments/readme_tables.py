@@ -84,13 +84,13 @@ def convergence_table(rows: List[dict]) -> str:
 OTHER_MACHINE_MARK = "†"
 
 
-def _ratio(row) -> str:
-    """A time-to-accuracy row's time ratio as a table cell: ``–`` without a row, ``never``, or ``0.42x``; marked
-    :data:`OTHER_MACHINE_MARK` where the row's runs and dense's were made on two machines."""
+def _ratio(row, field: str = "time_ratio_vs_dense") -> str:
+    """A time-to-accuracy row's time ratio (``field``) as a table cell: ``–`` without a row, ``never``, or ``0.42x``;
+    marked :data:`OTHER_MACHINE_MARK` where the row's runs and dense's were made on two machines."""
     if row is None:
         return "–"
     mark = OTHER_MACHINE_MARK if row.get("same_machine_as_dense") is False else ""
-    return ("never" if row["time_ratio_vs_dense"] is None else f"{row['time_ratio_vs_dense']:.2f}x") + mark
+    return ("never" if row[field] is None else f"{row[field]:.2f}x") + mark
 
 
 def _machine_note(rows: List[dict]) -> str:
@@ -167,17 +167,11 @@ def study_accuracy_table(rows: List[dict]) -> str:
     rows = [r for r in rows if r.get("accuracy_target") is not None]
     links = sorted({r["link"] for r in rows}, key=LINK_ORDER.index)
     at = {(r["workload"], r["optimizer"], r["method"], r["link"]): r for r in rows}
-
-    def ratio(row) -> str:
-        if row is None:
-            return "–"
-        value = row["accuracy_time_ratio_vs_dense"]
-        return "never" if value is None else f"{value:.2f}x"
-
+    field = "accuracy_time_ratio_vs_dense"
     lines = ["| workload | optimizer | " + " | ".join(links) + " |", "|---|---|" + "---|" * len(links)]
     for workload, optimizer in sorted({(r["workload"], r["optimizer"]) for r in rows}):
-        cells = [f"{ratio(at.get((workload, optimizer, 'topk', link)))} / "
-                 f"{ratio(at.get((workload, optimizer, 'twobit', link)))}" for link in links]
+        cells = [f"{_ratio(at.get((workload, optimizer, 'topk', link)), field)} / "
+                 f"{_ratio(at.get((workload, optimizer, 'twobit', link)), field)}" for link in links]
         lines.append(f"| {workload} | {optimizer} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
