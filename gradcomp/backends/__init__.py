@@ -241,6 +241,26 @@ def sparse_parts_kernel(op: str, device, backend: Optional[str] = None) -> Optio
     return KERNELS.get((f"{op}/sparse_parts", resolve_backend(device, backend)))
 
 
+#: Checks over every part of a group's received payload whose torch form is :mod:`gradcomp.backends.parts`' own; a
+#: backend may register a faster one that accepts exactly what the torch form accepts (:func:`part_check_kernel`).
+PART_CHECKS = ("parts_valid",)
+
+
+def implements_part_check(op: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` is ``backend``'s form of the check ``op`` (:data:`PART_CHECKS`), kept in :data:`KERNELS`
+    under ``(op + "/check", backend)``."""
+    if op not in PART_CHECKS:
+        raise ValueError(f"unknown check {op!r}; the checks over parts are {PART_CHECKS}")
+    return _register(f"{op}/check", backend)
+
+
+def part_check_kernel(op: str, device, backend: Optional[str] = None) -> Optional[Callable]:
+    """The resolved backend's form of the check ``op`` (:data:`PART_CHECKS`), or ``None``: then the torch form runs."""
+    if op not in PART_CHECKS:
+        raise ValueError(f"unknown check {op!r}; the checks over parts are {PART_CHECKS}")
+    return KERNELS.get((f"{op}/check", resolve_backend(device, backend)))
+
+
 def _register(key: str, backend: str) -> Callable[[Callable], Callable]:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; backends are {BACKENDS}")

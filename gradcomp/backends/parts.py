@@ -129,19 +129,24 @@ class PartIndex(NamedTuple):
     shifts: torch.Tensor  # int32: the bits that last word uses
     scales: torch.Tensor  # every scale
     spare: int  # bits of every word past its codes (3-bit: 2)
+    code_runs: torch.Tensor  # int64 [parts, 2]: each part's code words, [start, stop) (the runs of codes)
+    scale_runs: torch.Tensor  # int64 [parts, 2]: each part's scales, [start, stop)
 
     def to(self, device) -> "PartIndex":
-        return PartIndex(*(column.to(device) for column in self[:4]), self.spare)
+        return PartIndex(*(column.to(device) for column in self[:4]), self.spare,
+                         *(column.to(device) for column in self[5:]))
 
 
 def part_index(op: str, parts: Sequence[Part]) -> PartIndex:
     """The :class:`PartIndex` of ``parts`` under ``op``'s family (built once per layout)."""
     per_word, chunk, bits = geometry(op)
-    codes, scales, last, shifts = [], [], [], []
+    codes, scales, last, shifts, code_runs, scale_runs = [], [], [], [], [], []
     for part in parts:
         count = -(-part.numel // per_word)
         codes.append(torch.arange(part.codes, part.codes + count))
         scales.append(torch.arange(part.scales, part.scales + -(-part.numel // chunk)))
+        code_runs.append((part.codes, part.codes + count))
+        scale_runs.append((part.scales, part.scales + -(-part.numel // chunk)))
         if part.numel % per_word:
             last.append(part.codes + count - 1)
             shifts.append(bits * (part.numel % per_word))
@@ -150,12 +155,22 @@ def part_index(op: str, parts: Sequence[Part]) -> PartIndex:
     empty = torch.zeros(0, dtype=torch.int32)
     return PartIndex(torch.cat(codes).int() if codes else empty, torch.tensor(last, dtype=torch.int32),
                      torch.tensor(shifts, dtype=torch.int32), torch.cat(scales).int() if scales else empty,
-                     32 - bits * per_word)
+                     32 - bits * per_word, torch.tensor(code_runs, dtype=torch.int64).reshape(-1, 2),
+                     torch.tensor(scale_runs, dtype=torch.int64).reshape(-1, 2))
 
 
 def parts_valid(words: torch.Tensor, index: PartIndex) -> bool:
     """Whether every part passes its quantizer's ``check_payload`` (``words``: int32, not mutated): no code
-    word sets a spare bit, no last word a bit past its part's end, and every scale is finite and >= 0."""
+    word sets a spare bit, no last word a bit past its part's end, and every scale is finite and >= 0.
+
+    A backend's own form runs where it has one (:func:`~gradcomp.backends.part_check_kernel`): on the CPU these
+    torch ops copy every code word out by ``index_select`` before a reduction reads them, two passes and a dozen
+    dispatches per payload, where one loop reads each word once."""
+    from gradcomp.backends import part_check_kernel  # the registry imports this module's users
+
+    fast = part_check_kernel("parts_valid", words.device)
+    if fast is not None:
+        return fast(words, index)
     if index.spare and not within(words.index_select(0, index.codes), 0, (1 << (32 - index.spare)) - 1):
         return False
     # Arithmetic shifts: a word with bit 31 set stays non-zero, as the unsigned test wants.
