@@ -1,0 +1,81 @@
+"""Wall time of named pieces of gradcomp's step, per step, on the ranks of one method (an informal harness).
+
+Each named function is wrapped by a timer (every thread: Gloo's callback too) and the method's replica is stepped
+through its recipe's start and ramp (``experiments.step_times``' own set-up), then ``STEPS`` timed steps. Rank 0
+prints the step and each piece's milliseconds a step (pieces nest: a caller includes its callees). From the
+repository root::
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python experiments/results/research-step-overhead/engine_parts.py \\
+        charlm-small adamw twobit 150 gradcomp.engine:Engine.start,gradcomp.engine:Engine.finish
+
+one process (world size 1: no wire), or two with ``RANK=0|1 WORLD=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=...
+GLOO_SOCKET_IFNAME=lo`` (the unshaped loopback). A name is ``module:Qualified.name`` where the caller looks it up
+(a function imported by name into another module is wrapped there).
+"""
+import collections
+import functools
+import importlib
+import os
+import sys
+import time
+import warnings
+
+from experiments import launch, suite
+from experiments import loop as loops
+from experiments import step_times
+
+spent = collections.Counter()
+timing = [False]
+
+
+def wrap(module_name: str, qualified: str) -> None:
+    """Replace ``module_name``'s ``qualified`` by a timed call that adds its seconds to ``spent``."""
+    owner = importlib.import_module(module_name)
+    *path, name = qualified.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if timing[0]:
+                spent[qualified] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
+
+
+def main(workload_name: str, optimizer: str, method: str, steps: int, names: str) -> None:
+    warnings.filterwarnings("ignore")
+    for spec in names.split(","):
+        wrap(*spec.split(":"))
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD", 1))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29612")
+    launch.init_rank(rank, world, threads=1, timeout=600, cuda=False)
+    workload = suite.build(workload_name, 0, 32)
+    loop = loops.loop_for(workload_name, optimizer, step_times.PLANNED_STEPS)
+    replica = step_times._replica(method, workload.build_model(), loop, 200)
+    done = [0]
+
+    def run(count: int) -> float:
+        seconds = 0.0
+        for _ in range(count):
+            seconds += step_times._step(replica, workload, loop, rank, done[0])
+            done[0] += 1
+        return seconds
+
+    step_times._to_final_setting(replica, run, method)
+    timing[0] = True
+    total = run(steps)
+    if rank == 0:
+        print(f"step {total / steps * 1e3:.2f} ms")
+        for name, seconds in spent.most_common():
+            print(f"{seconds / steps * 1e3:8.3f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
