@@ -5,8 +5,9 @@ through its recipe's start and ramp (``experiments.step_times``' own set-up), th
 prints the step and each piece's milliseconds a step (pieces nest: a caller includes its callees). From the
 repository root::
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python experiments/results/research-step-overhead/engine_parts.py \\
-        charlm-small adamw twobit 150 gradcomp.engine:Engine.start,gradcomp.engine:Engine.finish
+    PYTHONPATH=. OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 \\
+        python experiments/results/research-step-overhead/engine_parts.py charlm-small adamw twobit 150 \\
+        gradcomp.engine:Engine.start,gradcomp.engine:Engine.finish
 
 one process (world size 1: no wire), or two with ``RANK=0|1 WORLD=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=...
 GLOO_SOCKET_IFNAME=lo`` (the unshaped loopback). A name is ``module:Qualified.name`` where the caller looks it up
@@ -20,9 +21,8 @@ import sys
 import time
 import warnings
 
-from experiments import launch, suite
+from experiments import launch, step_times, suite
 from experiments import loop as loops
-from experiments import step_times
 
 spent = collections.Counter()
 timing = [False]
