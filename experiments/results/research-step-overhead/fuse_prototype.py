@@ -12,6 +12,7 @@ import torch
 from numba import njit
 
 from gradcomp.backends.numba import threebit as tb
+from gradcomp.backends.numba.common import NAN32
 
 torch.set_num_threads(1)
 N = 437760
@@ -53,6 +54,19 @@ def compress_divided(g, div, residual_in, residual_target, code_words, chunk_sca
 
 
 @njit
+def average_chunk(c0, c1, start, stop, s0, s1, div, out, lo):
+    """One chunk of two payloads' codes: ``out = ((0 + D_0) + D_1) / 2 * d``, a flat loop LLVM vectorises."""
+    for j in range(np.uint64(start), np.uint64(stop)):
+        k0, k1 = c0[j], c1[j]
+        d0 = np.float32(np.int32(k0) - 3) * s0
+        d1 = np.float32(np.int32(k1) - 3) * s1
+        a = np.float32(0.0) + (NAN32 if k0 == 7 else d0)
+        a = a + (NAN32 if k1 == 7 else d1)
+        i = np.uint64(lo) + j
+        out[i] = a / np.float32(2.0) * div[i]
+
+
+@njit
 def average_multiplied(w0, s0, w1, s1, div, out):
     n = out.size
     c0 = np.empty(tb.TILE, np.uint8)
@@ -63,11 +77,9 @@ def average_multiplied(w0, s0, w1, s1, div, out):
         count = (length + tb.PER_WORD - 1) // tb.PER_WORD
         tb.unpack_words(w0, t * tb.TILE_WORDS, count, c0)
         tb.unpack_words(w1, t * tb.TILE_WORDS, count, c1)
-        for j in range(length):
-            chunk = t * tb.TILE_CHUNKS + j // tb.CHUNK
-            a = np.float32(0.0) + np.float32(np.int32(c0[j]) - 3) * s0[chunk]
-            a = a + np.float32(np.int32(c1[j]) - 3) * s1[chunk]
-            out[lo + j] = a / np.float32(2.0) * div[lo + j]
+        for c in range((length + tb.CHUNK - 1) // tb.CHUNK):
+            chunk = t * tb.TILE_CHUNKS + c
+            average_chunk(c0, c1, c * tb.CHUNK, min(length, (c + 1) * tb.CHUNK), s0[chunk], s1[chunk], div, out, lo)
 
 
 def present_compress():
