@@ -26,7 +26,7 @@ words = np.zeros((N + 9) // 10 + 10, np.uint32)
 scales = np.zeros((N + 127) // 128 + 10, np.float32)
 
 
-@njit
+@njit(error_model="numpy")  # Python's model checks every divisor for zero, a branch that keeps LLVM from vectorising
 def load_row_divided(g, div, residual_in, lo, length, acc):
     for j in range(np.uint64(length)):
         i = np.uint64(lo) + j
