@@ -142,11 +142,11 @@ def part_index(op: str, parts: Sequence[Part]) -> PartIndex:
     per_word, chunk, bits = geometry(op)
     codes, scales, last, shifts, code_runs, scale_runs = [], [], [], [], [], []
     for part in parts:
-        count = -(-part.numel // per_word)
+        count, scale_count = -(-part.numel // per_word), -(-part.numel // chunk)
         codes.append(torch.arange(part.codes, part.codes + count))
-        scales.append(torch.arange(part.scales, part.scales + -(-part.numel // chunk)))
+        scales.append(torch.arange(part.scales, part.scales + scale_count))
         code_runs.append((part.codes, part.codes + count))
-        scale_runs.append((part.scales, part.scales + -(-part.numel // chunk)))
+        scale_runs.append((part.scales, part.scales + scale_count))
         if part.numel % per_word:
             last.append(part.codes + count - 1)
             shifts.append(bits * (part.numel % per_word))
