@@ -261,6 +261,28 @@ def part_check_kernel(op: str, device, backend: Optional[str] = None) -> Optiona
     return KERNELS.get((f"{op}/check", resolve_backend(device, backend)))
 
 
+#: Elementwise passes whose torch form is their caller's own; a backend may register one that writes the same bits in
+#: one pass (:func:`elementwise_kernel`). ``divide_multiply``: ``fn(out, count, multiplier)``, float32 ``out[n]``
+#: becomes ``out / count * multiplier`` (``count`` an int, ``multiplier`` float32 ``[n]``): an average back in a
+#: stage's units (:func:`~gradcomp.exchanges.base.average_gathered`).
+ELEMENTWISE_OPS = ("divide_multiply",)
+
+
+def implements_elementwise(op: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` is ``backend``'s form of the pass ``op`` (:data:`ELEMENTWISE_OPS`), kept in :data:`KERNELS`
+    under ``(op + "/elementwise", backend)``."""
+    if op not in ELEMENTWISE_OPS:
+        raise ValueError(f"unknown pass {op!r}; the elementwise passes are {ELEMENTWISE_OPS}")
+    return _register(f"{op}/elementwise", backend)
+
+
+def elementwise_kernel(op: str, device, backend: Optional[str] = None) -> Optional[Callable]:
+    """The resolved backend's form of the pass ``op`` (:data:`ELEMENTWISE_OPS`), or ``None``: the torch form runs."""
+    if op not in ELEMENTWISE_OPS:
+        raise ValueError(f"unknown pass {op!r}; the elementwise passes are {ELEMENTWISE_OPS}")
+    return KERNELS.get((f"{op}/elementwise", resolve_backend(device, backend)))
+
+
 def _register(key: str, backend: str) -> Callable[[Callable], Callable]:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; backends are {BACKENDS}")

@@ -11,7 +11,8 @@ slices the group's arrays per part; the study's step times (README, "Sooner?") s
 Signatures (``words``: the payload buffer viewed as int32, ``[nbytes / 4]``; ``parts``: :class:`Part` rows,
 the compressed parameters only)::
 
-    compress        fn(grad, residual_in, residual_out, words, parts)   writes the parts' codes and scales
+    compress        fn(grad, residual_in, residual_out, words, parts, divisor=None)
+                                                                        writes the parts' codes and scales
     decompress_add  fn(words, parts, out)                               out[lo : lo + numel] += decoded
     topk_compress   fn(grad, residual_in, residual_out, values, indices, parts)   (``parts``: :class:`Selection`)
 
@@ -20,9 +21,12 @@ the residuals and ``out`` are ``[n]``; part ``i`` reads and writes elements ``[l
 are ``words[codes : codes + ceil(numel / per_word)]`` and its scales the float32 view of
 ``words[scales : scales + ceil(numel / chunk)]``; top-k's part ``i`` selects its ``k`` entries into
 ``values[first : first + k]`` and ``indices[first : first + k]`` (its own positions, as the per-part op
-gives them). Every part is checked to lie inside the arrays before
-anything is written. The results are bitwise the per-part op's: the batched forms run the same kernels on
-the same slices (top-k's numba form, the same kernel's steps on each part's elements of the group's arrays).
+gives them). A quantizer's compress given a ``divisor`` (float32 ``[n]``, not mutated) compresses
+``acc = float32(grad) / divisor + residual_in``, bitwise the op on ``grad`` divided first: Adam's stage exchanges
+its update units without a divided copy of the gradient (a fused kernel divides as it loads). Every part is
+checked to lie inside the arrays before anything is written. The results are bitwise the per-part op's: the
+batched forms run the same kernels on the same slices (top-k's numba form, the same kernel's steps on each part's
+elements of the group's arrays).
 
 :func:`parts_valid` is the received payload's check, the quantizers' ``check_payload`` rules over every part
 in a few reductions; a payload it rejects is checked again part by part, which names the part and the fault.
@@ -107,8 +111,10 @@ def looped(op: str, fn: Callable) -> Callable:
         return select
 
     if op.endswith("_compress"):
-        def compress(grad, residual_in, residual_out, words, parts):
+        def compress(grad, residual_in, residual_out, words, parts, divisor=None):
             check_parts(op, parts, grad.numel(), words.numel())
+            if divisor is not None:  # the same float32 division a fused kernel does as it loads
+                grad = grad.float() / divisor
             for part in parts:
                 piece = slice(part.lo, part.lo + part.numel)
                 fn(grad[piece], None if residual_in is None else residual_in[piece],

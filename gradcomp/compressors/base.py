@@ -66,6 +66,10 @@ class Compressor(abc.ABC):
     #: ``(compress op, decompress_add op)`` with a batched form over a group's parts
     #: (:mod:`gradcomp.backends.parts`), for a payload that is ``codes`` then ``scales``; ``None`` if none.
     part_ops: Optional[Tuple[str, str]] = None
+    #: :meth:`compress` takes ``divisor=`` (float32 ``[n]``): it compresses ``acc = float32(tensor) / divisor +
+    #: residual``, bitwise the payload of ``tensor`` divided first, without the divided copy (Adam's stage exchanges
+    #: its update units so: :attr:`gradcomp.exchanges.base.Handle.divisor`).
+    divides: bool = False
 
     @abc.abstractmethod
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:

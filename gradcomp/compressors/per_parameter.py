@@ -76,6 +76,8 @@ class PerParameter(Compressor):
         self.dense_below = int(dense_below)
         self.uses_error_feedback = base.uses_error_feedback
         self.sparsifies = base.sparsifies
+        #: A base with batched ops divides as its parts' kernels load (:attr:`Compressor.divides`).
+        self.divides = base.part_ops is not None
         parts, offset = [], 0
         for n in self.numels:
             parts.append(_Part(offset, n, n < self.dense_below))
@@ -164,17 +166,22 @@ class PerParameter(Compressor):
             found = held[str(device)] = cpu.to(device) if moves else tuple(index.to(device) for index in cpu)
         return found
 
-    def compress(self, tensor, residual=None, residual_out=None, backend: Optional[str] = None) -> Payload:
+    def compress(self, tensor, residual=None, residual_out=None, backend: Optional[str] = None,
+                 divisor: Optional[torch.Tensor] = None) -> Payload:
         """Each part compressed on its own (see :meth:`Compressor.compress`); ``tensor`` is not
         mutated, ``residual_out`` receives every part's ``acc - decompress``. The dense parts are
         written by one gather and one scatter, and a base with batched ops compresses every other part in
-        one call, bitwise as part by part."""
+        one call, bitwise as part by part. ``divisor`` (float32 ``[n]``, only where :attr:`divides`): every part
+        compresses ``float32(tensor) / divisor + residual``."""
         check_gradient(tensor)
+        if divisor is not None and not self.divides:
+            raise TypeError(f"{self!r} takes no divisor: its base has no batched ops")
         plan = self._plan(tensor.dtype)
         payload = plan.whole.allocate(tensor.device)
         if plan.batched:
+            extra = {} if divisor is None else {"divisor": divisor}
             kernel_parts(self.base.part_ops[0], tensor.device, backend)(
-                tensor, residual, residual_out, payload.buffer.view(torch.int32), plan.batched)
+                tensor, residual, residual_out, payload.buffer.view(torch.int32), plan.batched, **extra)
         # A base whose compress is replaced on the instance (wrapped to instrument or to test a hostile peer)
         # is called part by part, as a subclass is: the batched path runs TopK's own kernel and encoding.
         elif plan.sparse is not None and "compress" not in vars(self.base):
@@ -191,6 +198,8 @@ class PerParameter(Compressor):
         if plan.dense is not None:
             elements, slots = self._on(plan.dense, tensor.device)
             acc = tensor.index_select(0, elements).float()
+            if divisor is not None:
+                acc = acc / divisor.index_select(0, elements)
             if residual is not None:
                 acc = acc + residual.index_select(0, elements)
             values = acc.to(tensor.dtype)

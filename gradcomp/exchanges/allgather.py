@@ -35,6 +35,7 @@ class Allgather(Exchange):
 
     label = "allgather"
     selectable = True
+    divides = True
 
     def __init__(self, granularity: str = "parameter", min_numel: int = 0):
         super().__init__(granularity, min_numel)
@@ -67,7 +68,7 @@ class Allgather(Exchange):
             raise PayloadError(f"{error.reason} (group {handle.group!r})", error.rank) from error
         out = grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32,
                                                                     device=grad.device)
-        average_gathered(handle.compressor, layout, gathered, out, context.backend, checked)
+        average_gathered(handle.compressor, layout, gathered, out, context.backend, checked, handle.divisor)
         if out is not grad:
             grad.copy_(out)
         return grad

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Hashable, NamedTuple, Opti
 
 import torch
 
+from gradcomp.backends import elementwise_kernel
 from gradcomp.compressors.base import Compressor
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import all_finite
@@ -67,7 +68,7 @@ class Handle:
     and ``exchange`` (which exchange carries the group)."""
 
     __slots__ = ("group", "keys", "numels", "grad", "exchange", "compressor", "payload", "wire", "work", "scale",
-                 "started", "compress_s")
+                 "started", "compress_s", "divisor")
 
     def __init__(self, group, keys, numels, grad, exchange, compressor=None):
         self.group: Hashable = group
@@ -82,6 +83,9 @@ class Handle:
         self.scale = 1.0  # the loss scale the gradient arrived in (see Engine(grad_scaler=))
         self.started = 0.0  # time.perf_counter() when the engine began the group's step
         self.compress_s: Optional[float] = None  # compression seconds, where the exchange measures them
+        #: float32 ``[n]``: the payload compresses ``grad / divisor`` (a stage's units, divided as the kernel loads)
+        #: and the average is multiplied back by it (:attr:`Exchange.divides`); ``None``: neither.
+        self.divisor: Optional[torch.Tensor] = None
 
     @property
     def mode(self) -> str:  # the exchange's registered name, as stats() reports it
@@ -127,6 +131,10 @@ class Exchange(abc.ABC):
     #: ``finish`` leaves only this rank's chunk of the average (FSDP's reduce-scatter; see the module
     #: docstring): only an engine whose transport scatters tries it, and such an engine tries nothing else.
     scatters: ClassVar[bool] = False
+    #: :meth:`compress` and :meth:`finish` apply :attr:`Handle.divisor` (the engine sets one only then, for a
+    #: compressor that :attr:`~gradcomp.compressors.base.Compressor.divides`): the payload is of the gradient
+    #: divided by it, the average is multiplied back by it.
+    divides: ClassVar[bool] = False
 
     def __init__(self, granularity: str = "parameter", min_numel: int = 0):
         self.granularity, self.min_numel = granularity, min_numel
@@ -159,7 +167,7 @@ class Exchange(abc.ABC):
                 (``residual_out`` receives ``e'``, committed later by the engine), or ``None``.
         Sets ``handle.payload`` and ``handle.wire`` (the tensor :meth:`start` hands over).
         """
-        handle.payload = compress_group(handle.compressor, source, residuals, context.backend)
+        handle.payload = compress_group(handle.compressor, source, residuals, context.backend, handle.divisor)
         handle.wire = handle.payload.buffer
 
     @abc.abstractmethod
@@ -210,12 +218,15 @@ class Exchange(abc.ABC):
 
 
 def compress_group(compressor: Compressor, source: torch.Tensor,
-                   residuals: Optional[Tuple[torch.Tensor, torch.Tensor]], backend: Optional[str]) -> Payload:
+                   residuals: Optional[Tuple[torch.Tensor, torch.Tensor]], backend: Optional[str],
+                   divisor: Optional[torch.Tensor] = None) -> Payload:
     """``compressor``'s payload of ``source`` (``[n]``, read only), fusing the error feedback when
-    ``residuals`` (``(residual_in, residual_out)``, float32 ``[n]``; ``residual_out`` written) are given."""
+    ``residuals`` (``(residual_in, residual_out)``, float32 ``[n]``; ``residual_out`` written) are given, and the
+    division by ``divisor`` (float32 ``[n]``; only for a compressor that ``divides``) when it is."""
+    extra = {} if divisor is None else {"divisor": divisor}
     if residuals is None:
-        return compressor.compress(source, backend=backend)
-    return compressor.compress(source, residuals[0], residuals[1], backend=backend)
+        return compressor.compress(source, backend=backend, **extra)
+    return compressor.compress(source, residuals[0], residuals[1], backend=backend, **extra)
 
 
 def payload_is_gradient(compressor: Compressor, numel: int, dtype: torch.dtype) -> bool:
@@ -225,9 +236,12 @@ def payload_is_gradient(compressor: Compressor, numel: int, dtype: torch.dtype) 
 
 
 def average_gathered(compressor: Compressor, layout: PayloadLayout, gathered: torch.Tensor, out: torch.Tensor,
-                     backend: Optional[str] = None, checked: Sequence = ()) -> torch.Tensor:
+                     backend: Optional[str] = None, checked: Sequence = (),
+                     multiplier: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out = (D(p_0) + D(p_1) + ... + D(p_{P-1})) / P``, summed in rank order in float32, so that
-    every rank decoding the same bytes gets bitwise the same average.
+    every rank decoding the same bytes gets bitwise the same average; with ``multiplier`` (float32 ``[n]``, the
+    divisor the payloads were compressed under, :attr:`Handle.divisor`) that average times it, in one pass where
+    the backend has one (``divide_multiply``).
 
     Args:
         gathered: uint8 ``[P * layout.nbytes]``, rank ``r``'s payload at ``r * layout.nbytes``
@@ -245,4 +259,10 @@ def average_gathered(compressor: Compressor, layout: PayloadLayout, gathered: to
             compressor.decompress_add(payload, out, backend)
         else:
             compressor.add_checked(payload, done, out, backend)
-    return out.div_(world_size)
+    if multiplier is None:
+        return out.div_(world_size)
+    fused = elementwise_kernel("divide_multiply", out.device, backend)
+    if fused is None:
+        return out.div_(world_size).mul_(multiplier)
+    fused(out, world_size, multiplier)
+    return out
