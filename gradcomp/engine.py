@@ -46,7 +46,11 @@ Extension slots (filled by :mod:`gradcomp.schedule` and :mod:`gradcomp.optim`):
   compressor, numel)``, ``dense(keys, numels, g) -> g'`` (all ``g`` float32 ``[n]``), optionally
   ``after_average(keys, numels, average, dense)`` (maps the group's average, in place, back to
   gradient units before the commit: ``.grad`` holds the average gradient) and ``commit(keys, accept)`` (state
-  kept on an accepted step only), ``state_dict()``, ``load_state_dict(d)``, ``suspended`` (true: no commit).
+  kept on an accepted step only), ``state_dict()``, ``load_state_dict(d)``, ``suspended`` (true: no commit),
+  and ``divisor(keys, numels) -> d`` (float32 ``[n]`` or ``None``) where ``before_compress`` is ``g / d`` and
+  ``after_average`` ``average * d``: then, for an exchange and compressor that both ``divide``, the compress
+  divides as it loads and the average multiplies as it finishes, and neither call is made (two passes over the
+  group fewer; bitwise the same).
 """
 from __future__ import annotations
 
@@ -297,7 +301,21 @@ class Engine:
             logger.info("gradcomp: compression starts at step %d with %r", self.step, handle.compressor)
         if self.transform is None:
             return grad
+        handle.divisor = self._divisor(handle)
+        if handle.divisor is not None:  # the kernels divide as they load: no divided copy of the gradient
+            return grad
         return self.transform.before_compress(handle.keys, handle.numels, grad.float(), handle.compressor)
+
+    def _divisor(self, handle: Handle) -> Optional[torch.Tensor]:
+        """The transform's ``divisor(keys, numels)`` (float32 ``[n]``, or ``None``), where it stands for its
+        ``before_compress`` and ``after_average`` and the exchange and the compressor can apply it (both
+        ``divides``): a float32 gradient whose residuals stay in the compressor's memory."""
+        divisor = getattr(self.transform, "divisor", None)
+        compressor = handle.compressor
+        if (divisor is None or not handle.exchange.divides or not compressor.divides
+                or not compressor.uses_error_feedback or handle.grad.dtype != torch.float32):
+            return None
+        return divisor(handle.keys, handle.numels)
 
     def _commit(self, context: ExchangeContext, handle: Handle, average: torch.Tensor) -> None:
         """Commit ``e'`` (and the state of an exchange or transform that keeps some) only if the exchange accepts
@@ -311,7 +329,7 @@ class Engine:
         stage exchanged."""
         exchange = handle.exchange
         after = getattr(self.transform, "after_average", None)
-        if after is not None:
+        if after is not None and handle.divisor is None:  # with a divisor the exchange multiplied it back
             after(handle.keys, handle.numels, average, exchange.sends_gradient)
         feedback = not exchange.sends_gradient and handle.compressor.uses_error_feedback and self.error_feedback
         commit = getattr(self.transform, "commit", None)  # a stage whose state waits on the step's verdict

@@ -61,9 +61,10 @@ from gradcomp.optim.adam_settings import (
     decoupled_weight_decay,
     optimizer_settings,
 )
-from gradcomp.optim.delayed_momentum import DELAY_STEPS, compressed_momentum, delay_at, held_back_density, memory_share
+from gradcomp.optim.delayed_momentum import DELAY_STEPS
 from gradcomp.optim.freeze_gate import FreezeGate
 from gradcomp.optim.frozen_adam_load import prepare_load, state_dict
+from gradcomp.optim.frozen_units import group_divisor, next_moments
 from gradcomp.optim.frozen_update import bounded_step, frozen_update
 from gradcomp.optim.live_level import LiveLevel
 from gradcomp.optim.spike_guard import SUSPENDED_STRIDE, SpikeGuard, live_denominators, scaled
@@ -126,6 +127,8 @@ class FrozenVarianceAdam:
         self.moments: Dict[Hashable, torch.Tensor] = {}
         self._pending: Dict[Tuple[Hashable, ...], List[Tuple[Hashable, torch.Tensor]]] = {}
         self._cleared: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []  # skipped by the optimizer's step, put back
+        #: Per group (its keys): the denominators (``None`` where not frozen) and their flat copy (:meth:`divisor`).
+        self.divisors: Dict[Tuple[Hashable, ...], Tuple[tuple, torch.Tensor]] = {}
         #: When the variance freezes: ``freeze_step``, or later while the learning rate rises (``latest_freeze``).
         self.gate = FreezeGate(freeze_step, latest_freeze, freeze_cost)
         # after_closure: in optimizer.step(closure) this step's gradients exist only after the closure.
@@ -204,6 +207,7 @@ class FrozenVarianceAdam:
         if self.level:
             self.level.reset()
         self.moments, self.suspended = {}, True
+        self.divisors.clear()
         self._pending.clear()
 
     def resume(self) -> None:
@@ -243,7 +247,7 @@ class FrozenVarianceAdam:
         parameters. ``grad`` is not mutated; the moments change at :meth:`commit`."""
         out = grad.float().clone()
         pieces = list(self._pieces(keys, numels, out))
-        pending = self._next_moments(pieces, compressor) if self.exchange == "momentum" else []
+        pending = next_moments(self, pieces, compressor) if self.exchange == "momentum" else []
         if pieces:  # one multi-tensor op for the group: one kernel launch on a GPU, not one per parameter
             torch._foreach_div_([piece for *_, piece in pieces], self._denoms(pieces))
         if self.bounded and self.exchange == "momentum":
@@ -252,27 +256,6 @@ class FrozenVarianceAdam:
         self._pending[tuple(keys)] = pending
         return out
 
-    def _next_moments(self, pieces, compressor) -> List[Tuple[Hashable, torch.Tensor, torch.Tensor]]:
-        """This rank's next first moment of each piece (``(key, parameter, group, slice)``, the slice holding
-        the gradient), written into the slices; returns ``(key, next moment, moment)`` for :meth:`commit`."""
-        delay = delay_at(held_back_density(compressor), self.delay_steps)
-        by_weight: Dict[float, list] = {}  # param groups with another beta1 lerp apart
-        for key, param, group, piece in pieces:
-            if group["weight_decay"] and not decoupled_weight_decay(self.optimizer, group):
-                piece.add_(param.detach().reshape(-1).float(), alpha=group["weight_decay"])
-            moment = self.moments.get(key)
-            if moment is None:  # the first compressed step starts from Adam's own first moment
-                moment = self.optimizer.state[param]["exp_avg"].reshape(-1).float().clone()
-            weight = 1 - compressed_momentum(group["betas"][0], delay * memory_share(group["betas"][0]))
-            by_weight.setdefault(weight, []).append((key, piece, moment))
-        pending = []
-        for weight, entries in by_weight.items():
-            keys, slices, moments = zip(*entries)
-            following = torch._foreach_lerp(moments, slices, weight)
-            torch._foreach_copy_(slices, following)
-            pending += zip(keys, following, moments)
-        return pending
-
     def dense(self, keys, numels, grad: torch.Tensor) -> torch.Tensor:
         """What a dense step (the schedule's, a policy's) sends: the same quantity as :meth:`before_compress`,
         whole, so that the residuals flushed into it are in its units; before the freeze, or suspended,
@@ -280,6 +263,12 @@ class FrozenVarianceAdam:
         if self.suspended:
             return grad
         return self.before_compress(keys, numels, grad)
+
+    def divisor(self, keys, numels) -> Optional[torch.Tensor]:
+        """All that :meth:`before_compress` and :meth:`after_average` do to the group of ``keys``, as one tensor:
+        float32 ``[n]``, each frozen parameter's denominator and 1.0 elsewhere, or ``None`` where they do more
+        (``exchange="momentum"``) or nothing (suspended, nothing frozen): :func:`~.frozen_units.group_divisor`."""
+        return group_divisor(self, keys, numels) if self.exchange == "gradient" and not self.suspended else None
 
     def after_compress(self, keys, payload, compressor, numel: int) -> None:
         pass

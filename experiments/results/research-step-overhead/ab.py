@@ -8,7 +8,9 @@ or ``gc-SPEC``: ``gradcomp.hooks.ddp.register(model, SPEC)`` alone, without an o
 Add ``--profile FILE`` to write rank 0's cProfile of the timed steps of the first method, ``--walltime`` to print
 rank 0's wall-clock totals of the step's named functions by thread over every method's timed steps (time one
 method: :mod:`walltime`). ``topk-perpart`` is the ``topk`` recipe with its parts selected one by one (the batched
-form taken out of the registry around its steps), to pair against ``topk``.
+form taken out of the registry around its steps), to pair against ``topk``; ``twobit-unfused`` the ``twobit``
+recipe with the stage's ``divisor`` hidden around its steps (the gradient divided into a copy before the compress,
+the average multiplied back after), to pair against ``twobit``.
 """
 import os
 import statistics
@@ -20,7 +22,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 def make(method, net, loop, workload_name):
     """``(ddp model, optimizer, scheduler, gradcomp state or None)`` of ``method`` on a copy of ``net``."""
-    method = "topk" if method == "topk-perpart" else method
+    method = {"topk-perpart": "topk", "twobit-unfused": "twobit"}.get(method, method)
     import copy
 
     from torch.nn.parallel import DistributedDataParallel
@@ -42,12 +44,17 @@ def _step(method, replica, workload, loop, rank, i):
     """One timed step of ``method``'s replica (``topk-perpart``: without top-k's batched form over the parts)."""
     import gradcomp.backends as backends
     from experiments import step_times
+    from gradcomp.optim import FrozenVarianceAdam
 
     key = ("topk_compress/parts", "numba")
     held = backends.KERNELS.pop(key) if method == "topk-perpart" else None
+    divisor = FrozenVarianceAdam.divisor
+    if method == "twobit-unfused":
+        FrozenVarianceAdam.divisor = None  # the engine then calls before_compress and after_average
     try:
         return step_times._step(replica, workload, loop, rank, i)
     finally:
+        FrozenVarianceAdam.divisor = divisor
         if held is not None:
             backends.KERNELS[key] = held
 

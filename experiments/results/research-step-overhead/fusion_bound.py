@@ -1,9 +1,11 @@
 """What the passes a fused divide-compress / average-multiply would remove cost in the step (informal, not gradcomp).
 
 World size 1 (no wire), charlm-small under AdamW, three replicas stepped in turn after the recipe's start and ramp:
-dense, the 2-bit recipe as it is (``A``) and the 2-bit recipe with those passes skipped (``B``: the stage's copy and
-division before the compress, its product after the average, the average's division; wrong arithmetic, timing
-only). Prints each one's median step and its median paired difference to dense's. From the repository root::
+dense, the 2-bit recipe with the stage's passes (``A``: the stage's ``divisor`` hidden, as the code was before the
+kernels applied it), the 2-bit recipe with those passes skipped (``B``: the stage's copy and division before the
+compress, its product after the average, the average's division; wrong arithmetic, timing only) and the recipe as
+it is (``C``: the kernels divide as they load, the average is multiplied as it is finished). Prints each one's median
+step and its median paired difference to dense's. From the repository root::
 
     PYTHONPATH=. OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 \\
         python experiments/results/research-step-overhead/fusion_bound.py 300
@@ -20,8 +22,14 @@ from gradcomp.optim import frozen_adam
 from gradcomp.payload import Payload
 
 SKIP = [False]
+MODE = [None]  # the replica being stepped
+_divisor = frozen_adam.FrozenVarianceAdam.divisor
 _before, _after = frozen_adam.FrozenVarianceAdam.before_compress, frozen_adam.FrozenVarianceAdam.after_average
 _average = base.average_gathered
+
+
+def divisor(self, keys, numels):
+    return _divisor(self, keys, numels) if MODE[0] == "C" else None
 
 
 def before_compress(self, keys, numels, grad, compressor=None):
@@ -36,9 +44,9 @@ def after_average(self, keys, numels, average, dense):
         _after(self, keys, numels, average, dense)
 
 
-def average_gathered(compressor, layout, gathered, out, backend=None, checked=()):
+def average_gathered(compressor, layout, gathered, out, backend=None, checked=(), multiplier=None):
     if not SKIP[0]:
-        return _average(compressor, layout, gathered, out, backend, checked)
+        return _average(compressor, layout, gathered, out, backend, checked, multiplier)
     out.zero_()
     for rank in range(gathered.numel() // layout.nbytes):
         payload = Payload(layout, gathered[rank * layout.nbytes: (rank + 1) * layout.nbytes])
@@ -54,6 +62,7 @@ def main(count: int) -> None:
     warnings.filterwarnings("ignore")
     frozen_adam.FrozenVarianceAdam.before_compress = before_compress
     frozen_adam.FrozenVarianceAdam.after_average = after_average
+    frozen_adam.FrozenVarianceAdam.divisor = divisor
     allgather.average_gathered = average_gathered
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29615")
@@ -61,14 +70,14 @@ def main(count: int) -> None:
     workload = suite.build("charlm-small", 0, 32)
     loop = loops.loop_for("charlm-small", "adamw", step_times.PLANNED_STEPS)
     net = workload.build_model()
-    methods = {"dense": "dense", "A": "twobit", "B": "twobit"}
+    methods = {"dense": "dense", "A": "twobit", "B": "twobit", "C": "twobit"}
     replicas = {key: step_times._replica(method, net, loop, 200) for key, method in methods.items()}
     done = {key: 0 for key in replicas}
 
     def run(key, steps):
         seconds = []
         for _ in range(steps):
-            SKIP[0] = key == "B"
+            SKIP[0], MODE[0] = key == "B", key
             try:
                 seconds.append(step_times._step(replicas[key], workload, loop, 0, done[key]))
             finally:
@@ -87,7 +96,8 @@ def main(count: int) -> None:
     for key in order:
         paired = statistics.median(a - b for a, b in zip(times[key], times["dense"]))
         print(f"{key:6s} {statistics.median(times[key]) * 1e3:7.2f} ms  vs dense {paired * 1e3:+.2f} ms")
-    print(f"B - A  {statistics.median(b - a for a, b in zip(times['A'], times['B'])) * 1e3:+.2f} ms")
+    for key in ("B", "C"):
+        print(f"{key} - A  {statistics.median(b - a for a, b in zip(times['A'], times[key])) * 1e3:+.2f} ms")
 
 
 if __name__ == "__main__":
