@@ -331,6 +331,7 @@ class Engine:
         after = getattr(self.transform, "after_average", None)
         if after is not None and handle.divisor is None:  # with a divisor the exchange multiplied it back
             after(handle.keys, handle.numels, average, exchange.sends_gradient)
+            handle.finite = None  # learnt before the product
         feedback = not exchange.sends_gradient and handle.compressor.uses_error_feedback and self.error_feedback
         commit = getattr(self.transform, "commit", None)  # a stage whose state waits on the step's verdict
         if not feedback and (commit is None or getattr(self.transform, "suspended", False)):

@@ -40,11 +40,18 @@ def test_within_bounds_both_ends_and_rejects_nan():
 def test_the_exchanges_accept_is_the_finite_check():
     from gradcomp.exchanges.allgather import Allgather
 
+    from gradcomp.exchanges import Handle
+
     exchange = Allgather()
-    assert bool(exchange.accept(None, None, torch.ones(100)))
     grad = torch.ones(100)
+    handle = Handle("g", ("w",), (100,), grad, exchange)
+    assert bool(exchange.accept(None, handle, grad))
     grad[57] = float("nan")
-    assert not bool(exchange.accept(None, None, grad))
+    assert not bool(exchange.accept(None, handle, grad))
+    handle.finite = True  # what the finish learnt as it wrote is taken as it is
+    assert exchange.accept(None, handle, grad) is True
+    grad[57], handle.finite = 1.0, False
+    assert exchange.accept(None, handle, grad) is False
 
 
 def threebit_payload(n=1000):

@@ -17,7 +17,8 @@ op                       signature (all tensors 1-D and contiguous)
 =======================  ===========================================================
 
 The four chunk-scaled quantizer ops (:data:`PART_OPS`) also run over every parameter of a group in
-one call, :func:`kernel_parts` (signatures in :mod:`gradcomp.backends.parts`).
+one call, :func:`kernel_parts` (signatures in :mod:`gradcomp.backends.parts`), as does each quantizer's
+average of every rank's payload (``threebit_average``, ``twobit_chunk_average``).
 
 Shared conventions:
 
@@ -207,8 +208,9 @@ def resolve_backend(device, backend: Optional[str] = None) -> str:
 
 
 #: The ops with a batched form over the parts of one flat group (:mod:`gradcomp.backends.parts`).
-PART_OPS = ("twobit_chunk_compress", "twobit_chunk_decompress_add", "threebit_compress", "threebit_decompress_add",
-            "topk_compress")
+#: An ``*_average`` op has no per-part op of its own: its looped form runs the family's ``*_decompress_add``.
+PART_OPS = ("twobit_chunk_compress", "twobit_chunk_decompress_add", "twobit_chunk_average", "threebit_compress",
+            "threebit_decompress_add", "threebit_average", "topk_compress")
 
 
 def implements_parts(op: str, backend: str) -> Callable[[Callable], Callable]:
@@ -302,7 +304,9 @@ def kernel_parts(op: str, device, backend: Optional[str] = None) -> Callable:
         raise ValueError(f"op {op!r} has no batched form; those are {PART_OPS}")
     chosen = resolve_backend(device, backend)
     batched = KERNELS.get((f"{op}/parts", chosen))
-    return batched if batched is not None else parts.looped(op, kernel(op, device, chosen))
+    if batched is not None:
+        return batched
+    return parts.looped(op, kernel(op.replace("_average", "_decompress_add"), device, chosen))
 
 
 def kernel(op: str, device, backend: Optional[str] = None) -> Callable:

@@ -14,6 +14,8 @@ the compressed parameters only)::
     compress        fn(grad, residual_in, residual_out, words, parts, divisor=None)
                                                                         writes the parts' codes and scales
     decompress_add  fn(words, parts, out)                               out[lo : lo + numel] += decoded
+    average         fn(words, parts, out, multiplier=None)              (``words`` int32 ``[P, W]``, one payload a row)
+                    out[lo : lo + numel] = (0 + D_0 + ... + D_{P-1}) / P   (times ``multiplier[lo : lo + numel]``)
     topk_compress   fn(grad, residual_in, residual_out, values, indices, parts)   (``parts``: :class:`Selection`)
 
 Tensors and conventions are the per-part op's (:mod:`gradcomp.backends`), over the whole group: ``grad``,
@@ -24,7 +26,10 @@ are ``words[codes : codes + ceil(numel / per_word)]`` and its scales the float32
 gives them). A quantizer's compress given a ``divisor`` (float32 ``[n]``, not mutated) compresses
 ``acc = float32(grad) / divisor + residual_in``, bitwise the op on ``grad`` divided first: Adam's stage exchanges
 its update units without a divided copy of the gradient (a fused kernel divides as it loads). Every part is
-checked to lie inside the arrays before anything is written. The results are bitwise the per-part op's: the
+checked to lie inside the arrays before anything is written. An average writes each part's elements (the rank-ordered
+float32 sum of the decodes from +0.0, divided by ``P``, then times the multiplier: the engine's unfused order) and no
+other; it returns whether every element it wrote is finite, or ``None`` where the form does not say (the looped one).
+The results are bitwise the per-part op's: the
 batched forms run the same kernels on the same slices (top-k's numba form, the same kernel's steps on each part's
 elements of the group's arrays).
 
@@ -66,7 +71,7 @@ _GEOMETRY = {"threebit": (10, 128, 3), "twobit_chunk": (16, 64, 2)}
 
 def geometry(op: str) -> Tuple[int, int, int]:
     """``(codes per word, elements per scale, bits per code)`` of ``op``'s family."""
-    return _GEOMETRY[op.replace("_decompress_add", "").replace("_compress", "")]
+    return _GEOMETRY[op.replace("_decompress_add", "").replace("_compress", "").replace("_average", "")]
 
 
 def spans(op: str, part: Part) -> Tuple[slice, slice]:
@@ -120,6 +125,20 @@ def looped(op: str, fn: Callable) -> Callable:
                 fn(grad[piece], None if residual_in is None else residual_in[piece],
                    None if residual_out is None else residual_out[piece], *segments(words, part))
         return compress
+
+    if op.endswith("_average"):
+        def average(words, parts, out, multiplier=None):
+            check_parts(op, parts, out.numel(), words.shape[-1])
+            for part in parts:
+                piece = slice(part.lo, part.lo + part.numel)
+                own = out[piece].zero_()
+                for row in words:
+                    fn(*segments(row, part), own)
+                own.div_(words.shape[0])
+                if multiplier is not None:
+                    own.mul_(multiplier[piece])
+            return None
+        return average
 
     def decompress_add(words, parts, out):
         check_parts(op, parts, out.numel(), words.numel())

@@ -63,13 +63,16 @@ class Compressor(abc.ABC):
     #: Whether a payload sends some entries whole and the rest not at all (top-k), so that
     #: :meth:`sent_indices` names them; quantizers send every entry approximately.
     sparsifies: ClassVar[bool] = False
-    #: ``(compress op, decompress_add op)`` with a batched form over a group's parts
+    #: ``(compress op, decompress_add op, average op)`` with a batched form over a group's parts
     #: (:mod:`gradcomp.backends.parts`), for a payload that is ``codes`` then ``scales``; ``None`` if none.
-    part_ops: Optional[Tuple[str, str]] = None
+    part_ops: Optional[Tuple[str, str, str]] = None
     #: :meth:`compress` takes ``divisor=`` (float32 ``[n]``): it compresses ``acc = float32(tensor) / divisor +
     #: residual``, bitwise the payload of ``tensor`` divided first, without the divided copy (Adam's stage exchanges
     #: its update units so: :attr:`gradcomp.exchanges.base.Handle.divisor`).
     divides: bool = False
+    #: It averages every rank's payload of a group in one call (``average``), each element written once, bitwise
+    #: the rank-by-rank decode of :func:`~gradcomp.exchanges.base.average_gathered`.
+    averages: bool = False
 
     @abc.abstractmethod
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:

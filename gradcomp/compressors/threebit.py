@@ -33,7 +33,7 @@ class ThreeBit(Compressor):
     """
 
     uses_error_feedback = True
-    part_ops = ("threebit_compress", "threebit_decompress_add")
+    part_ops = ("threebit_compress", "threebit_decompress_add", "threebit_average")
 
     #: Elements per scale, and codes per int32 word.
     CHUNK = THREEBIT_CHUNK

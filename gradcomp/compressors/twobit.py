@@ -98,7 +98,9 @@ class TwoBit(Compressor):
     @property
     def part_ops(self):
         """The chunk mode's batched ops (its payload is ``codes`` then ``scales``); ``None`` otherwise."""
-        return ("twobit_chunk_compress", "twobit_chunk_decompress_add") if self.chunked else None
+        if not self.chunked:
+            return None
+        return ("twobit_chunk_compress", "twobit_chunk_decompress_add", "twobit_chunk_average")
 
     def layout(self, numel: int, dtype: torch.dtype) -> PayloadLayout:
         codes = ("codes", torch.int32, (numel + 15) // 16)

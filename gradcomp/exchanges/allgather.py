@@ -22,7 +22,7 @@ from gradcomp import costmodel
 from gradcomp.backends import resolve_backend
 from gradcomp.compressors.base import Compressor
 from gradcomp.compressors.per_parameter import PerParameterCache
-from gradcomp.exchanges.base import Exchange, average_gathered
+from gradcomp.exchanges.base import Exchange, average_finite
 from gradcomp.exchanges.registry import exchange_name
 from gradcomp.validation import PayloadError, validate_gathered
 
@@ -68,9 +68,11 @@ class Allgather(Exchange):
             raise PayloadError(f"{error.reason} (group {handle.group!r})", error.rank) from error
         out = grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32,
                                                                     device=grad.device)
-        average_gathered(handle.compressor, layout, gathered, out, context.backend, checked, handle.divisor)
+        handle.finite = average_finite(handle.compressor, layout, gathered, out, context.backend, checked,
+                                       handle.divisor)
         if out is not grad:
             grad.copy_(out)
+            handle.finite = None  # the cast to the gradient's dtype may overflow: accept reads it
         return grad
 
     def granular(self, compressor: Optional[Compressor], numels: Tuple[int, ...]) -> Optional[Compressor]:

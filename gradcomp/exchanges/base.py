@@ -43,7 +43,8 @@ if TYPE_CHECKING:  # annotations only: the engine and gradcomp.transport import 
     from gradcomp.costmodel import Cluster, Cost, Kernels
     from gradcomp.transport import Transport
 
-__all__ = ["Exchange", "ExchangeContext", "Handle", "compress_group", "average_gathered", "payload_is_gradient"]
+__all__ = ["Exchange", "ExchangeContext", "Handle", "compress_group", "average_gathered", "average_finite",
+           "payload_is_gradient"]
 
 
 class ExchangeContext(NamedTuple):
@@ -68,7 +69,7 @@ class Handle:
     and ``exchange`` (which exchange carries the group)."""
 
     __slots__ = ("group", "keys", "numels", "grad", "exchange", "compressor", "payload", "wire", "work", "scale",
-                 "started", "compress_s", "divisor")
+                 "started", "compress_s", "divisor", "finite")
 
     def __init__(self, group, keys, numels, grad, exchange, compressor=None):
         self.group: Hashable = group
@@ -86,6 +87,9 @@ class Handle:
         #: float32 ``[n]``: the payload compresses ``grad / divisor`` (a stage's units, divided as the kernel loads)
         #: and the average is multiplied back by it (:attr:`Exchange.divides`); ``None``: neither.
         self.divisor: Optional[torch.Tensor] = None
+        #: Whether the average ``finish`` wrote is finite, where the exchange learnt it as it wrote (``None``: not
+        #: known; :meth:`Exchange.accept` then reads the average). Whoever changes the average after clears it.
+        self.finite: Optional[bool] = None
 
     @property
     def mode(self) -> str:  # the exchange's registered name, as stats() reports it
@@ -185,7 +189,7 @@ class Exchange(abc.ABC):
         the same on every rank): by default whether ``average`` (what :meth:`finish` returned, in the
         gradient's dtype) is finite, which every rank decides alike because it decoded the same bytes.
         Called by the engine after :meth:`finish`, for groups that keep residuals or run a transform."""
-        return all_finite(average)
+        return handle.finite if handle.finite is not None else all_finite(average)
 
     def commit(self, context: ExchangeContext, handle: Handle, accept) -> None:
         """Commit this exchange's own state of the step if ``accept`` (a bool or a 0-d device tensor,
@@ -241,7 +245,8 @@ def average_gathered(compressor: Compressor, layout: PayloadLayout, gathered: to
     """``out = (D(p_0) + D(p_1) + ... + D(p_{P-1})) / P``, summed in rank order in float32, so that
     every rank decoding the same bytes gets bitwise the same average; with ``multiplier`` (float32 ``[n]``, the
     divisor the payloads were compressed under, :attr:`Handle.divisor`) that average times it, in one pass where
-    the backend has one (``divide_multiply``).
+    the backend has one (``divide_multiply``). A compressor that :attr:`~Compressor.averages` writes it all in one
+    call, each element once, in the same float32 operations and order (bitwise alike).
 
     Args:
         gathered: uint8 ``[P * layout.nbytes]``, rank ``r``'s payload at ``r * layout.nbytes``
@@ -250,7 +255,18 @@ def average_gathered(compressor: Compressor, layout: PayloadLayout, gathered: to
         checked: per rank, what the validation's check returned (:func:`~gradcomp.validation.validate_gathered`):
             where not ``None`` the compressor adds it (``add_checked``) instead of decoding the bytes again.
     """
+    average_finite(compressor, layout, gathered, out, backend, checked, multiplier)
+    return out
+
+
+def average_finite(compressor: Compressor, layout: PayloadLayout, gathered: torch.Tensor, out: torch.Tensor,
+                   backend: Optional[str] = None, checked: Sequence = (),
+                   multiplier: Optional[torch.Tensor] = None) -> Optional[bool]:
+    """:func:`average_gathered`; returns whether ``out`` is finite where the compressor's one-call average
+    (:attr:`Compressor.averages`) learnt it as it wrote, else ``None``."""
     world_size = gathered.numel() // layout.nbytes
+    if compressor.averages and all(done is None for done in checked):
+        return compressor.average(layout, gathered, out, backend, multiplier)
     out.zero_()
     for rank in range(world_size):
         payload = Payload(layout, gathered[rank * layout.nbytes: (rank + 1) * layout.nbytes])
@@ -260,9 +276,11 @@ def average_gathered(compressor: Compressor, layout: PayloadLayout, gathered: to
         else:
             compressor.add_checked(payload, done, out, backend)
     if multiplier is None:
-        return out.div_(world_size)
+        out.div_(world_size)
+        return None
     fused = elementwise_kernel("divide_multiply", out.device, backend)
     if fused is None:
-        return out.div_(world_size).mul_(multiplier)
-    fused(out, world_size, multiplier)
-    return out
+        out.div_(world_size).mul_(multiplier)
+    else:
+        fused(out, world_size, multiplier)
+    return None

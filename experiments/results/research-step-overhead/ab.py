@@ -10,7 +10,8 @@ rank 0's wall-clock totals of the step's named functions by thread over every me
 method: :mod:`walltime`). ``topk-perpart`` is the ``topk`` recipe with its parts selected one by one (the batched
 form taken out of the registry around its steps), to pair against ``topk``; ``twobit-unfused`` the ``twobit``
 recipe with the stage's ``divisor`` hidden around its steps (the gradient divided into a copy before the compress,
-the average multiplied back after), to pair against ``twobit``.
+the average multiplied back after), to pair against ``twobit``; ``twobit-rankwise`` the ``twobit`` recipe with the
+average decoded rank by rank (``PerParameter.averages`` off around its steps), to pair against ``twobit``.
 """
 import os
 import statistics
@@ -22,7 +23,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 def make(method, net, loop, workload_name):
     """``(ddp model, optimizer, scheduler, gradcomp state or None)`` of ``method`` on a copy of ``net``."""
-    method = {"topk-perpart": "topk", "twobit-unfused": "twobit"}.get(method, method)
+    method = {"topk-perpart": "topk", "twobit-unfused": "twobit", "twobit-rankwise": "twobit"}.get(method, method)
     import copy
 
     from torch.nn.parallel import DistributedDataParallel
@@ -44,6 +45,7 @@ def _step(method, replica, workload, loop, rank, i):
     """One timed step of ``method``'s replica (``topk-perpart``: without top-k's batched form over the parts)."""
     import gradcomp.backends as backends
     from experiments import step_times
+    from gradcomp.compressors.per_parameter import PerParameter
     from gradcomp.optim import FrozenVarianceAdam
 
     key = ("topk_compress/parts", "numba")
@@ -51,10 +53,14 @@ def _step(method, replica, workload, loop, rank, i):
     divisor = FrozenVarianceAdam.divisor
     if method == "twobit-unfused":
         FrozenVarianceAdam.divisor = None  # the engine then calls before_compress and after_average
+    averages = PerParameter.averages
+    if method == "twobit-rankwise":
+        PerParameter.averages = False  # average_gathered then decodes rank by rank
     try:
         return step_times._step(replica, workload, loop, rank, i)
     finally:
         FrozenVarianceAdam.divisor = divisor
+        PerParameter.averages = averages
         if held is not None:
             backends.KERNELS[key] = held
 

@@ -9,6 +9,9 @@ repository root::
         python experiments/results/research-step-overhead/engine_parts.py charlm-small adamw twobit 150 \\
         gradcomp.engine:Engine.start,gradcomp.engine:Engine.finish
 
+With a sixth argument ``cpu`` each piece is the CPU time of the thread that ran it (``time.thread_time``) and the
+step line adds the process's CPU time a step (every thread, Gloo's too): on two ranks with a core each, the wall
+time of a piece that runs on Gloo's thread counts the main thread's backward that preempts it. Run it on
 one process (world size 1: no wire), or two with ``RANK=0|1 WORLD=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=...
 GLOO_SOCKET_IFNAME=lo`` (the unshaped loopback). A name is ``module:Qualified.name`` where the caller looks it up
 (a function imported by name into another module is wrapped there).
@@ -26,6 +29,7 @@ from experiments import loop as loops
 
 spent = collections.Counter()
 timing = [False]
+clock = [time.perf_counter]
 
 
 def wrap(module_name: str, qualified: str) -> None:
@@ -38,17 +42,17 @@ def wrap(module_name: str, qualified: str) -> None:
 
     @functools.wraps(original)
     def timed(*args, **kwargs):
-        start = time.perf_counter()
+        start = clock[0]()
         try:
             return original(*args, **kwargs)
         finally:
             if timing[0]:
-                spent[qualified] += time.perf_counter() - start
+                spent[qualified] += clock[0]() - start
 
     setattr(owner, name, timed)
 
 
-def main(workload_name: str, optimizer: str, method: str, steps: int, names: str) -> None:
+def main(workload_name: str, optimizer: str, method: str, steps: int, names: str, cpu: bool = False) -> None:
     warnings.filterwarnings("ignore")
     for spec in names.split(","):
         wrap(*spec.split(":"))
@@ -69,13 +73,15 @@ def main(workload_name: str, optimizer: str, method: str, steps: int, names: str
         return seconds
 
     step_times._to_final_setting(replica, run, method)
-    timing[0] = True
+    timing[0], clock[0] = True, time.thread_time if cpu else time.perf_counter
+    process = time.process_time()
     total = run(steps)
+    process = time.process_time() - process
     if rank == 0:
-        print(f"step {total / steps * 1e3:.2f} ms")
+        print(f"step {total / steps * 1e3:.2f} ms" + (f", process CPU {process / steps * 1e3:.2f} ms" if cpu else ""))
         for name, seconds in spent.most_common():
             print(f"{seconds / steps * 1e3:8.3f} ms  {name}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6:] == ["cpu"])

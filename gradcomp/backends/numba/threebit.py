@@ -197,3 +197,55 @@ def decompress_add_kernel(code_words, scales, out):
     parts = (tiles + PART_TILES - 1) // PART_TILES
     for p in prange(parts):
         decompress_part(code_words, scales, out, p * PART_TILES, min(tiles, (p + 1) * PART_TILES))
+
+
+@njit(cache=True, error_model="numpy")  # Python's model tests every divisor for zero: a branch LLVM cannot vectorise
+def finish_row(acc, length, count, multiplier, out, at):
+    """``out[at + j] = acc[j] / count`` (times ``multiplier[at + j]`` unless ``None``), ``j < length``; returns the
+    largest ``|out[at + j]|``'s bits (``>= 0x7F800000``: one is not finite)."""
+    for j in range(np.uint64(length)):
+        i = np.uint64(at) + j
+        if multiplier is None:
+            out[i] = acc[j] / count
+        else:
+            out[i] = acc[j] / count * multiplier[i]
+    bits = out.view(np.uint32)
+    largest = _ZERO_BITS
+    for j in range(np.uint64(length)):
+        largest = max(largest, bits[np.uint64(at) + j] & _ABS_BITS)
+    return largest
+
+
+@njit(cache=True)
+def average_unit(words, lo, numel, codes, scales, first, stop, count, multiplier, out):
+    """:func:`average_kernel` over tiles ``[first, stop)`` of the part of ``numel`` elements at ``lo`` whose codes
+    start at word ``codes`` and scales at word ``scales`` of every rank's row; returns the largest bits written."""
+    acc = np.empty(TILE, np.float32)
+    code = np.empty(TILE, np.uint8)
+    largest = _ZERO_BITS
+    for t in range(first, stop):
+        length = min(TILE, numel - t * TILE)
+        acc[:length] = np.float32(0.0)  # as the unfused average's zeroed output: -0.0 decodes to +0.0
+        for rank in range(words.shape[0]):
+            row = words[rank]
+            unpack_words(row, codes + t * TILE_WORDS, (length + PER_WORD - 1) // PER_WORD, code)
+            scale_row = row.view(np.float32)
+            for c in range((length + CHUNK - 1) // CHUNK):
+                decode_chunk(code, c * CHUNK, min(length, (c + 1) * CHUNK),
+                             scale_row[scales + t * TILE_CHUNKS + c], acc, 0)
+        largest = max(largest, finish_row(acc, length, count, multiplier, out, lo + t * TILE))
+    return largest
+
+
+@njit(parallel=True, cache=True)
+def average_kernel(words, units, count, multiplier, out):
+    """``out[i] = (0 + D_0[i] + ... + D_{P-1}[i]) / count`` (times ``multiplier[i]`` unless ``None``) over every
+    part, each element written once: the rank-ordered float32 sum, the division and the product of the unfused
+    average, in its order, so bitwise alike. ``words``: uint32 ``[P, W]``, rank ``r``'s payload in row ``r``;
+    ``units``: int64 ``[U, 6]``, rows ``(lo, numel, codes, scales, first tile, stop tile)`` (checked by the
+    wrapper); ``count`` float32. Returns whether every element written is finite."""
+    largest = np.zeros(units.shape[0], np.uint32)
+    for u in prange(units.shape[0]):
+        row = units[u]
+        largest[u] = average_unit(words, row[0], row[1], row[2], row[3], row[4], row[5], count, multiplier, out)
+    return largest.size == 0 or largest.max() < _INF_BITS
