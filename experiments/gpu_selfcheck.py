@@ -214,7 +214,7 @@ def check_compressors(device, backend: str) -> int:
 
 
 def check_compact(device, backend: str) -> int:
-    """Compact top-k's encode and check over a group's parts (:data:`gradcomp.backends.SPARSE_PART_OPS`): the
+    """Compact top-k's encode and check over a group's parts (:data:`gradcomp.backends.FORMS`' ``"sparse_parts"``): the
     forms of ``backend`` write the torch forms' payload bytes and residual, and read back their entries."""
     from gradcomp import TopK
     from gradcomp.compressors.per_parameter import PerParameter

@@ -629,14 +629,14 @@ _has_cupy = importlib.util.find_spec("cupy") is not None
 
 @pytest.mark.skipif(not _has_cupy, reason="cupy is not installed (pip install cupy-cuda12x)")
 def test_cuda_backend_registers_its_ops_when_cupy_imports():
-    from gradcomp.backends import KERNELS, OPS, SPARSE_PART_OPS, is_available
+    from gradcomp.backends import FORMS, KERNELS, OPS, is_available
 
     assert is_available("cuda")
     import gradcomp.backends.cuda_ops as real_cuda_ops
 
     for op in OPS:
         assert KERNELS[(op, "cuda")] is getattr(real_cuda_ops, op)
-    for op in SPARSE_PART_OPS:
+    for op in FORMS["sparse_parts"]:
         assert KERNELS[(f"{op}/sparse_parts", "cuda")] is getattr(real_cuda_ops, op)
 
 

@@ -38,9 +38,8 @@ def test_within_bounds_both_ends_and_rejects_nan():
 
 
 def test_the_exchanges_accept_is_the_finite_check():
-    from gradcomp.exchanges.allgather import Allgather
-
     from gradcomp.exchanges import Handle
+    from gradcomp.exchanges.allgather import Allgather
 
     exchange = Allgather()
     grad = torch.ones(100)

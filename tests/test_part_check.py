@@ -4,7 +4,7 @@ import torch
 
 import gradcomp
 import gradcomp.backends
-from gradcomp.backends import part_check_kernel
+from gradcomp.backends import form_kernel
 from gradcomp.compressors.per_parameter import PerParameter
 
 pytest.importorskip("numba", reason="the numba form needs numba")
@@ -35,11 +35,13 @@ def test_the_numba_form_is_registered_and_chosen_on_the_cpu(monkeypatch):
     from gradcomp.backends.numba import part_check
 
     monkeypatch.setenv(gradcomp.backends.ENV_VAR, "numba")
-    assert part_check_kernel("parts_valid", torch.device("cpu")) is part_check.parts_valid
+    assert form_kernel("check", "parts_valid", torch.device("cpu")) is part_check.parts_valid
     monkeypatch.setenv(gradcomp.backends.ENV_VAR, "torch")
-    assert part_check_kernel("parts_valid", torch.device("cpu")) is None
-    with pytest.raises(ValueError, match="unknown check"):
-        part_check_kernel("parts_sum", torch.device("cpu"))
+    assert form_kernel("check", "parts_valid", torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="unknown 'check' form 'parts_sum'"):
+        form_kernel("check", "parts_sum", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown 'checks' form"):
+        form_kernel("checks", "parts_valid", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("spec", ["threebit", "twobit:chunk"])

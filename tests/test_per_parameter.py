@@ -259,7 +259,7 @@ def _both_checks_agree(grouped, bad, n) -> bool:
 
 @pytest.fixture(params=["torch", "numba"])
 def compact_form(request, monkeypatch):
-    """Whose compact top-k encode and check run (:data:`gradcomp.backends.SPARSE_PART_OPS`), through the
+    """Whose compact top-k encode and check run (:data:`gradcomp.backends.FORMS`' ``"sparse_parts"``), through the
     environment, so that the payload checks, which take no backend argument, follow it too."""
     if request.param == "numba":
         pytest.importorskip("numba", reason="the numba forms need numba")

@@ -221,68 +221,40 @@ def implements_parts(op: str, backend: str) -> Callable[[Callable], Callable]:
     return _register(f"{op}/parts", backend)
 
 
-#: Compact top-k's forms over every part of a group (:class:`~gradcomp.backends.sparse_parts.CompactParts`): torch's
-#: are the class's own methods, on any device; a backend may register a faster one that writes and reads the same
-#: bits (:func:`sparse_parts_kernel`).
-SPARSE_PART_OPS = ("compact_encode", "compact_entries")
+#: Optional faster forms, by family: ops whose torch form is their caller's own code (it runs wherever the resolved
+#: backend registered none), and a backend may register one that writes and reads exactly the same bits
+#: (:func:`implements_form`, :func:`form_kernel`).
+#:
+#: * ``"sparse_parts"``: compact top-k over every part of a group, the methods of
+#:   :class:`~gradcomp.backends.sparse_parts.CompactParts` (``compact_encode``, ``compact_entries``).
+#: * ``"check"``: the received payload's check over every part of a group, ``parts_valid``
+#:   (:func:`gradcomp.backends.parts.parts_valid`; it accepts exactly what the torch form accepts).
+#: * ``"elementwise"``: passes torch would run as several. ``divide_multiply``: ``fn(out, count, multiplier)``,
+#:   float32 ``out[n]`` becomes ``out / count * multiplier`` (``count`` an int, ``multiplier`` float32 ``[n]``): an
+#:   average back in a stage's units (:func:`~gradcomp.exchanges.base.average_gathered`).
+FORMS = {
+    "sparse_parts": ("compact_encode", "compact_entries"),
+    "check": ("parts_valid",),
+    "elementwise": ("divide_multiply",),
+}
 
 
-def implements_sparse_parts(op: str, backend: str) -> Callable[[Callable], Callable]:
-    """Decorator: ``fn`` is ``backend``'s form of the compact top-k op ``op`` (:data:`SPARSE_PART_OPS`), kept in
-    :data:`KERNELS` under ``(op + "/sparse_parts", backend)``."""
-    if op not in SPARSE_PART_OPS:
-        raise ValueError(f"unknown op {op!r}; the compact top-k forms are {SPARSE_PART_OPS}")
-    return _register(f"{op}/sparse_parts", backend)
+def _form_key(family: str, op: str) -> str:
+    if op not in FORMS.get(family, ()):
+        raise ValueError(f"unknown {family!r} form {op!r}; the optional forms are {FORMS}")
+    return f"{op}/{family}"
 
 
-def sparse_parts_kernel(op: str, device, backend: Optional[str] = None) -> Optional[Callable]:
-    """The resolved backend's form of ``op`` (:data:`SPARSE_PART_OPS`), or ``None``: then the torch form,
-    :class:`~gradcomp.backends.sparse_parts.CompactParts`' own method, runs."""
-    if op not in SPARSE_PART_OPS:
-        raise ValueError(f"unknown op {op!r}; the compact top-k forms are {SPARSE_PART_OPS}")
-    return KERNELS.get((f"{op}/sparse_parts", resolve_backend(device, backend)))
+def implements_form(family: str, op: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` is ``backend``'s form of ``op`` of ``family`` (:data:`FORMS`), kept in :data:`KERNELS`
+    under ``(op + "/" + family, backend)``."""
+    return _register(_form_key(family, op), backend)
 
 
-#: Checks over every part of a group's received payload whose torch form is :mod:`gradcomp.backends.parts`' own; a
-#: backend may register a faster one that accepts exactly what the torch form accepts (:func:`part_check_kernel`).
-PART_CHECKS = ("parts_valid",)
-
-
-def implements_part_check(op: str, backend: str) -> Callable[[Callable], Callable]:
-    """Decorator: ``fn`` is ``backend``'s form of the check ``op`` (:data:`PART_CHECKS`), kept in :data:`KERNELS`
-    under ``(op + "/check", backend)``."""
-    if op not in PART_CHECKS:
-        raise ValueError(f"unknown check {op!r}; the checks over parts are {PART_CHECKS}")
-    return _register(f"{op}/check", backend)
-
-
-def part_check_kernel(op: str, device, backend: Optional[str] = None) -> Optional[Callable]:
-    """The resolved backend's form of the check ``op`` (:data:`PART_CHECKS`), or ``None``: then the torch form runs."""
-    if op not in PART_CHECKS:
-        raise ValueError(f"unknown check {op!r}; the checks over parts are {PART_CHECKS}")
-    return KERNELS.get((f"{op}/check", resolve_backend(device, backend)))
-
-
-#: Elementwise passes whose torch form is their caller's own; a backend may register one that writes the same bits in
-#: one pass (:func:`elementwise_kernel`). ``divide_multiply``: ``fn(out, count, multiplier)``, float32 ``out[n]``
-#: becomes ``out / count * multiplier`` (``count`` an int, ``multiplier`` float32 ``[n]``): an average back in a
-#: stage's units (:func:`~gradcomp.exchanges.base.average_gathered`).
-ELEMENTWISE_OPS = ("divide_multiply",)
-
-
-def implements_elementwise(op: str, backend: str) -> Callable[[Callable], Callable]:
-    """Decorator: ``fn`` is ``backend``'s form of the pass ``op`` (:data:`ELEMENTWISE_OPS`), kept in :data:`KERNELS`
-    under ``(op + "/elementwise", backend)``."""
-    if op not in ELEMENTWISE_OPS:
-        raise ValueError(f"unknown pass {op!r}; the elementwise passes are {ELEMENTWISE_OPS}")
-    return _register(f"{op}/elementwise", backend)
-
-
-def elementwise_kernel(op: str, device, backend: Optional[str] = None) -> Optional[Callable]:
-    """The resolved backend's form of the pass ``op`` (:data:`ELEMENTWISE_OPS`), or ``None``: the torch form runs."""
-    if op not in ELEMENTWISE_OPS:
-        raise ValueError(f"unknown pass {op!r}; the elementwise passes are {ELEMENTWISE_OPS}")
-    return KERNELS.get((f"{op}/elementwise", resolve_backend(device, backend)))
+def form_kernel(family: str, op: str, device, backend: Optional[str] = None) -> Optional[Callable]:
+    """The resolved backend's form of ``op`` of ``family`` (:data:`FORMS`), or ``None``: then the caller's torch
+    form runs."""
+    return KERNELS.get((_form_key(family, op), resolve_backend(device, backend)))
 
 
 def _register(key: str, backend: str) -> Callable[[Callable], Callable]:

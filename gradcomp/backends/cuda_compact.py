@@ -1,5 +1,5 @@
 """Launch plans of compact top-k's encode and check over every part of a group on a GPU (``csrc/compact.cu``):
-the ``cuda`` forms of :data:`gradcomp.backends.SPARSE_PART_OPS`.
+the ``cuda`` forms of :data:`gradcomp.backends.FORMS`' ``"sparse_parts"``.
 
 :class:`~gradcomp.backends.sparse_parts.CompactParts`' torch forms take a few dozen small ops each (a kernel
 launch apiece on a GPU); these take two launches to encode and three to check, and write and read the same

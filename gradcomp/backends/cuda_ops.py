@@ -13,7 +13,7 @@ that top-k decoding needs to report a bad payload:
   counter back to the host (the only synchronisation of these ops), which raises
   ``ValueError`` for a bad payload.
 * ``compact_encode`` and ``compact_entries`` (compact top-k over a group's parts,
-  :data:`~gradcomp.backends.SPARSE_PART_OPS`): the plans of :mod:`gradcomp.backends.cuda_compact`,
+  :data:`~gradcomp.backends.FORMS`' ``"sparse_parts"``): the plans of :mod:`gradcomp.backends.cuda_compact`,
   two launches to encode, three to check and one read of the check's verdict.
 
 The launch plans are plain functions of a ``launch(name, grid, block, args)`` callable and a
@@ -35,7 +35,7 @@ import cupy  # ImportError here marks the backend unavailable (gradcomp.backends
 import numpy
 import torch
 
-from gradcomp.backends import checks, implements, implements_sparse_parts
+from gradcomp.backends import checks, implements, implements_form
 from gradcomp.backends.cuda_compact import plan_compact_encode, plan_compact_entries
 from gradcomp.backends.cuda_launch import MAX_THREADS, Launch, LaunchConfig, pointer
 from gradcomp.backends.cuda_source import compile_image
@@ -349,12 +349,12 @@ def threebit_decompress_add(codes, scales, out) -> None:
     _run_on_device(plan_threebit_decompress_add, (codes, scales, out), codes, scales, out)
 
 
-@implements_sparse_parts("compact_encode", "cuda")
+@implements_form("sparse_parts", "compact_encode", "cuda")
 def compact_encode(parts, values, indices, buffer, residual_out) -> bool:
     return _run_on_device(plan_compact_encode, (values, indices, buffer, residual_out),
                           parts, values, indices, buffer, residual_out)
 
 
-@implements_sparse_parts("compact_entries", "cuda")
+@implements_form("sparse_parts", "compact_entries", "cuda")
 def compact_entries(parts, buffer):
     return _run_on_device(plan_compact_entries, (buffer,), parts, buffer)

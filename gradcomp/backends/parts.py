@@ -188,12 +188,12 @@ def parts_valid(words: torch.Tensor, index: PartIndex) -> bool:
     """Whether every part passes its quantizer's ``check_payload`` (``words``: int32, not mutated): no code
     word sets a spare bit, no last word a bit past its part's end, and every scale is finite and >= 0.
 
-    A backend's own form runs where it has one (:func:`~gradcomp.backends.part_check_kernel`): on the CPU these
+    A backend's own form runs where it has one (:func:`~gradcomp.backends.form_kernel`): on the CPU these
     torch ops copy every code word out by ``index_select`` before a reduction reads them, two passes and a dozen
     dispatches per payload, where one loop reads each word once."""
-    from gradcomp.backends import part_check_kernel  # the registry imports this module's users
+    from gradcomp.backends import form_kernel  # the registry imports this module's users
 
-    fast = part_check_kernel("parts_valid", words.device)
+    fast = form_kernel("check", "parts_valid", words.device)
     if fast is not None:
         return fast(words, index)
     if index.spare and not within(words.index_select(0, index.codes), 0, (1 << (32 - index.spare)) - 1):

@@ -14,7 +14,7 @@ whole group, and agree bitwise with the per-part ops (the tests compare them on 
 * :meth:`CompactParts.encode` writes every part's selection as compact entries at once, bitwise as
   :func:`~gradcomp.compressors.topk.compact_encode` part by part.
 
-The compact forms are also :data:`~gradcomp.backends.SPARSE_PART_OPS`: a backend may register its own, bitwise
+The compact forms are also :data:`~gradcomp.backends.FORMS`' ``"sparse_parts"``: a backend may register its own, bitwise
 these (``numba``'s: one pass each, :mod:`gradcomp.backends.numba.compact`; ``cuda``'s: a few launches each,
 :mod:`gradcomp.backends.cuda_compact`); the code here runs where it has none.
 
@@ -41,9 +41,9 @@ def _owners(counts: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tenso
 
 def _fast(op: str, device, backend: Optional[str]):
     """The resolved backend's form of ``op`` (``None``: the torch code here runs)."""
-    from gradcomp.backends import sparse_parts_kernel  # the registry imports this module's users
+    from gradcomp.backends import form_kernel  # the registry imports this module's users
 
-    return sparse_parts_kernel(op, device, backend)
+    return form_kernel("sparse_parts", op, device, backend)
 
 
 def signed16(low: torch.Tensor) -> torch.Tensor:
@@ -121,7 +121,7 @@ class CompactParts(NamedTuple):
         every part's counts are >= 0 and add up to its ``k``, and its indices (a chunk's start plus the
         unsigned 16-bit ``local``) lie in its chunk and strictly increase: the compact top-k check of every
         part (``dtype`` is the gradient's, unused: compact values are bfloat16). ``backend``: whose form runs
-        (:func:`~gradcomp.backends.sparse_parts_kernel`; this torch code where it has none)."""
+        (:func:`~gradcomp.backends.form_kernel`; this torch code where it has none)."""
         fast = _fast("compact_entries", buffer.device, backend)
         if fast is not None:
             return fast(self, buffer)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Hashable, NamedTuple, Opti
 
 import torch
 
-from gradcomp.backends import elementwise_kernel
+from gradcomp.backends import form_kernel
 from gradcomp.compressors.base import Compressor
 from gradcomp.payload import Payload, PayloadLayout
 from gradcomp.validation import all_finite
@@ -278,7 +278,7 @@ def average_finite(compressor: Compressor, layout: PayloadLayout, gathered: torc
     if multiplier is None:
         out.div_(world_size)
         return None
-    fused = elementwise_kernel("divide_multiply", out.device, backend)
+    fused = form_kernel("elementwise", "divide_multiply", out.device, backend)
     if fused is None:
         out.div_(world_size).mul_(multiplier)
     else:

@@ -1,5 +1,5 @@
 """Compact top-k's encode and check over every part of a group in one pass (the ``numba`` forms of
-:data:`gradcomp.backends.SPARSE_PART_OPS`).
+:data:`gradcomp.backends.FORMS`' ``"sparse_parts"``).
 
 :class:`~gradcomp.backends.sparse_parts.CompactParts` writes and reads a group's compact entries with a few
 dozen torch ops over the entries, each paying a dispatch: on charlm-small's 8,688 entries (a 2 % selection of
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradcomp.backends import implements_sparse_parts
+from gradcomp.backends import implements_form
 from gradcomp.backends.numba.common import f32_from_bits, f32_to_bf16_bits
 
 CHUNK = 1 << 16  # elements per chunk: TopK.CHUNK
@@ -84,7 +84,7 @@ def _columns(parts, *names):
     return tuple(getattr(parts, name).numpy() for name in names)
 
 
-@implements_sparse_parts("compact_encode", "numba")
+@implements_form("sparse_parts", "compact_encode", "numba")
 def compact_encode(parts, values: torch.Tensor, indices: torch.Tensor, buffer: torch.Tensor, residual_out) -> bool:
     """:meth:`CompactParts.encode <gradcomp.backends.sparse_parts.CompactParts.encode>` for float32 ``values``
     (``False``, nothing written: another dtype, left to the torch form)."""
@@ -97,7 +97,7 @@ def compact_encode(parts, values: torch.Tensor, indices: torch.Tensor, buffer: t
     return True
 
 
-@implements_sparse_parts("compact_entries", "numba")
+@implements_form("sparse_parts", "compact_entries", "numba")
 def compact_entries(parts, buffer: torch.Tensor):
     """:meth:`CompactParts.entries <gradcomp.backends.sparse_parts.CompactParts.entries>`: ``(group positions
     int64 [k], values bfloat16 [k])``, or ``None`` for a payload the check rejects."""

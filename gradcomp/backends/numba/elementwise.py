@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradcomp.backends import checks, implements_elementwise
+from gradcomp.backends import checks, implements_form
 from gradcomp.backends.numba.concurrency import serialized
 from gradcomp.backends.numba.ops import as_array
 
@@ -22,7 +22,7 @@ def divide_multiply_kernel(out, count, multiplier):
         out[i] = out[i] / count * multiplier[i]
 
 
-@implements_elementwise("divide_multiply", "numba")
+@implements_form("elementwise", "divide_multiply", "numba")
 @serialized
 def divide_multiply(out, count: int, multiplier) -> None:
     checks.check_vector("divide_multiply", "out", out, (torch.float32,))

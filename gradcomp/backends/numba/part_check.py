@@ -1,5 +1,5 @@
 """The received payload's check over every part of a group in one pass (the ``numba`` form of
-:data:`gradcomp.backends.PART_CHECKS`).
+:data:`gradcomp.backends.FORMS`' ``"check"``).
 
 :func:`gradcomp.backends.parts.parts_valid`'s torch form gathers every code word with ``index_select`` and then
 reduces the copy: on charlm-small's 3-bit payloads (437,760 elements in two groups, 43,776 code words) about
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from gradcomp.backends import implements_part_check
+from gradcomp.backends import implements_form
 
 _LARGEST_FINITE = np.uint32(0x7F7FFFFF)  # float32 max: every bit pattern up to it is a finite value >= +0.0
 _NEGATIVE_ZERO = np.uint32(0x80000000)  # -0.0 >= 0, as the torch form's comparison has it
@@ -50,7 +50,7 @@ def valid_kernel(words, code_runs, last, shifts, scale_runs, spare_mask):
     return not bad
 
 
-@implements_part_check("parts_valid", "numba")
+@implements_form("check", "parts_valid", "numba")
 def parts_valid(words: torch.Tensor, index) -> bool:
     """:func:`gradcomp.backends.parts.parts_valid` for int32 ``words`` and a :class:`~gradcomp.backends.parts.PartIndex`
     on the CPU."""
