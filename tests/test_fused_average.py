@@ -64,18 +64,18 @@ def test_the_one_call_average_is_bitwise_the_rank_by_rank_decode(monkeypatch, ba
     _assert_bitwise(found, _rank_by_rank(group, layout, gathered, multiplier))
     verdict = group.average(layout, gathered, torch.empty(group.numel), backend, multiplier)
     expected = bool(torch.isfinite(found).all())
-    says = backend == "numba" and spec == "threebit"  # the looped forms (torch's, 2-bit's) do not say
-    assert verdict == expected if says else verdict is None
+    assert verdict == expected if backend == "numba" else verdict is None  # the looped form does not say
     if world_size > 1:
         assert not expected  # rank 1's NaN reaches every element of its chunk
 
 
+@pytest.mark.parametrize("spec", ["threebit", "twobit:chunk"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_the_verdict_sees_an_overflow_and_a_clean_average(world_size):
+def test_the_verdict_sees_an_overflow_and_a_clean_average(spec, world_size):
     """Finite payloads whose average times the multiplier overflows are not finite; without it they are."""
     if not gradcomp.backends.is_available("numba"):
         pytest.skip("numba is not installed")
-    group = PerParameter(gradcomp.from_spec("threebit"), NUMELS, dense_below=DENSE_BELOW)
+    group = PerParameter(gradcomp.from_spec(spec), NUMELS, dense_below=DENSE_BELOW)
     layout, gathered = _gathered(group, world_size, torch.float32, poison=False)
     out = torch.empty(group.numel)
     assert group.average(layout, gathered, out, "numba") is True
@@ -88,11 +88,12 @@ def test_the_verdict_sees_an_overflow_and_a_clean_average(world_size):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_part_longer_than_one_work_unit_is_averaged_whole(monkeypatch, backend):
-    """A part of more tiles than a parallel work unit holds (256 tiles of 640) is cut into units; every element is
-    still written once, bitwise."""
+@pytest.mark.parametrize("spec", ["threebit", "twobit:chunk"])
+def test_a_part_longer_than_one_work_unit_is_averaged_whole(monkeypatch, backend, spec):
+    """A part of more blocks than a parallel work unit holds (256 tiles of 640, 1024 chunks of 64) is cut into
+    units; every element is still written once, bitwise."""
     monkeypatch.setenv(gradcomp.backends.ENV_VAR, backend)
-    group = PerParameter(gradcomp.from_spec("threebit"), (400_001, 3, 170_000), dense_below=DENSE_BELOW)
+    group = PerParameter(gradcomp.from_spec(spec), (400_001, 3, 170_000), dense_below=DENSE_BELOW)
     layout, gathered = _gathered(group, 2, torch.float32, poison=False)
     multiplier = torch.rand(group.numel) + 0.5
     found = average_gathered(group, layout, gathered, torch.full((group.numel,), float("nan")), multiplier=multiplier)
@@ -100,11 +101,12 @@ def test_a_part_longer_than_one_work_unit_is_averaged_whole(monkeypatch, backend
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_average_refuses_parts_outside_its_arrays(backend):
-    group = PerParameter(gradcomp.from_spec("threebit"), NUMELS, dense_below=DENSE_BELOW)
+@pytest.mark.parametrize("spec", ["threebit", "twobit:chunk"])
+def test_the_average_refuses_parts_outside_its_arrays(backend, spec):
+    group = PerParameter(gradcomp.from_spec(spec), NUMELS, dense_below=DENSE_BELOW)
     layout, gathered = _gathered(group, 2, torch.float32, poison=False)
     words, parts = gathered.view(torch.int32).view(2, -1), group._plan(torch.float32).batched
-    average = kernel_parts("threebit_average", torch.device("cpu"), backend)
+    average = kernel_parts(group.base.part_ops[2], torch.device("cpu"), backend)
     with pytest.raises(ValueError, match="does not fit"):
         average(words[:, :-4].contiguous(), parts, torch.empty(group.numel))
     with pytest.raises(ValueError, match="does not fit"):
@@ -190,3 +192,23 @@ def test_a_product_after_the_average_is_read_again(monkeypatch):
     handle, reads = _engine_step(monkeypatch, transform, torch.randn(8000, generator=torch.Generator().manual_seed(0)))
     assert handle.finite is None and reads == 1
     assert transform.accepted == [False]
+
+
+@pytest.mark.parametrize("spec", ["threebit", "twobit:chunk"])
+def test_the_numba_average_refuses_dense_indices_outside_their_arrays(spec):
+    if not gradcomp.backends.is_available("numba"):
+        pytest.skip("numba is not installed")
+    group = PerParameter(gradcomp.from_spec(spec), NUMELS, dense_below=DENSE_BELOW)
+    layout, gathered = _gathered(group, 2, torch.float32, poison=False)
+    words, parts = gathered.view(torch.int32).view(2, -1), group._plan(torch.float32).batched
+    values = gathered.view(torch.float32).view(2, -1)
+    elements, slots = group._on(group._plan(torch.float32).dense, torch.device("cpu"))
+    average = kernel_parts(group.base.part_ops[2], torch.device("cpu"), "numba")
+    out = torch.zeros(group.numel)
+    for bad in ((values, elements + group.numel, slots), (values, elements, slots + values.shape[1]),
+                (values, elements, slots[:-1]), (values, elements.int(), slots)):
+        with pytest.raises(ValueError, match="dense"):
+            average(words, parts, out, None, bad)
+    with pytest.raises(TypeError, match="dense values"):
+        average(words, parts, out, None, (values[:1], elements, slots))
+    assert not out.any()  # nothing was written

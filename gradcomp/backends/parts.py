@@ -14,8 +14,11 @@ the compressed parameters only)::
     compress        fn(grad, residual_in, residual_out, words, parts, divisor=None)
                                                                         writes the parts' codes and scales
     decompress_add  fn(words, parts, out)                               out[lo : lo + numel] += decoded
-    average         fn(words, parts, out, multiplier=None)              (``words`` int32 ``[P, W]``, one payload a row)
+    average         fn(words, parts, out, multiplier=None, dense=None)  (``words`` int32 ``[P, W]``, one payload a row)
                     out[lo : lo + numel] = (0 + D_0 + ... + D_{P-1}) / P   (times ``multiplier[lo : lo + numel]``)
+                    and out[elements] = (0 + v_0 + ... + v_{P-1}) / P (times ``multiplier[elements]``)
+                    for ``dense = (values [P, X], elements, slots)``: ``v_r = float32(values[r, slots])``, int64
+                    indices, the parts a group sends whole
     topk_compress   fn(grad, residual_in, residual_out, values, indices, parts)   (``parts``: :class:`Selection`)
 
 Tensors and conventions are the per-part op's (:mod:`gradcomp.backends`), over the whole group: ``grad``,
@@ -46,7 +49,7 @@ import torch
 from gradcomp.validation import within
 
 __all__ = ["Part", "Selection", "PartIndex", "geometry", "spans", "check_parts", "check_selections", "looped",
-           "part_index", "parts_valid"]
+           "average_dense", "part_index", "parts_valid"]
 
 
 class Part(NamedTuple):
@@ -127,7 +130,7 @@ def looped(op: str, fn: Callable) -> Callable:
         return compress
 
     if op.endswith("_average"):
-        def average(words, parts, out, multiplier=None):
+        def average(words, parts, out, multiplier=None, dense=None):
             check_parts(op, parts, out.numel(), words.shape[-1])
             for part in parts:
                 piece = slice(part.lo, part.lo + part.numel)
@@ -137,6 +140,8 @@ def looped(op: str, fn: Callable) -> Callable:
                 own.div_(words.shape[0])
                 if multiplier is not None:
                     own.mul_(multiplier[piece])
+            if dense is not None:
+                average_dense(*dense, out, multiplier)
             return None
         return average
 
@@ -145,6 +150,19 @@ def looped(op: str, fn: Callable) -> Callable:
         for part in parts:
             fn(*segments(words, part), out[part.lo: part.lo + part.numel])
     return decompress_add
+
+
+def average_dense(values: torch.Tensor, elements: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
+                  multiplier=None) -> None:
+    """``out[elements] = (0 + v_0 + ... + v_{P-1}) / P`` (times ``multiplier[elements]``), ``v_r`` the float32 of
+    ``values[r, slots]`` (``values`` ``[P, X]``; ``out`` is mutated): the decode's rank-ordered float32 sum."""
+    acc = torch.zeros(elements.numel(), dtype=torch.float32, device=out.device)
+    for row in values.index_select(1, slots):
+        acc += row.float()
+    acc.div_(values.shape[0])
+    if multiplier is not None:
+        acc.mul_(multiplier.index_select(0, elements))
+    out.index_copy_(0, elements, acc)
 
 
 class PartIndex(NamedTuple):

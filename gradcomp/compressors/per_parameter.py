@@ -269,10 +269,9 @@ class PerParameter(Compressor):
 
     def average(self, layout: PayloadLayout, gathered: torch.Tensor, out: torch.Tensor, backend: Optional[str] = None,
                 multiplier: Optional[torch.Tensor] = None) -> Optional[bool]:
-        """``out = (D(p_0) + ... + D(p_{P-1})) / P``, times ``multiplier`` (float32 ``[n]``) where given: one call for
-        the compressed parts (the base's ``average`` op) and one gather for the dense ones, bitwise the rank-by-rank
-        decode of :func:`~gradcomp.exchanges.base.average_gathered`, each element written once. Only where
-        :attr:`averages`.
+        """``out = (D(p_0) + ... + D(p_{P-1})) / P``, times ``multiplier`` (float32 ``[n]``) where given: one call of
+        the base's ``average`` op for the compressed parts and the dense ones, bitwise the rank-by-rank decode of
+        :func:`~gradcomp.exchanges.base.average_gathered`, each element written once. Only where :attr:`averages`.
 
         Args:
             gathered: uint8 ``[P * layout.nbytes]``, rank ``r``'s payload at ``r * layout.nbytes`` (validated).
@@ -283,23 +282,11 @@ class PerParameter(Compressor):
         nbytes = layout.nbytes
         dtype = check_layout(self, Payload(layout, gathered[:nbytes]), self.numel)
         plan, world_size = self._plan(dtype), gathered.numel() // nbytes
-        finite = True
-        if plan.batched:
-            finite = kernel_parts(self.base.part_ops[2], out.device, backend)(
-                gathered.view(torch.int32).view(world_size, -1), plan.batched, out, multiplier)
-        if plan.dense is not None:  # each rank's values added to +0.0 in rank order, as the decode does
-            elements, slots = self._on(plan.dense, out.device)
-            values = gathered.view(dtype).view(world_size, -1).index_select(1, slots)
-            acc = torch.zeros(elements.numel(), dtype=torch.float32, device=out.device)
-            for row in values:
-                acc += row.float()
-            acc.div_(world_size)
-            if multiplier is not None:
-                acc.mul_(multiplier.index_select(0, elements))
-            out.index_copy_(0, elements, acc)
-            if finite is not None:
-                finite = finite and bool(torch.isfinite(acc).all())
-        return finite
+        dense = None
+        if plan.dense is not None:  # each rank's values, the payload viewed as the dtype, one rank a row
+            dense = (gathered.view(dtype).view(world_size, -1), *self._on(plan.dense, out.device))
+        return kernel_parts(self.base.part_ops[2], out.device, backend)(
+            gathered.view(torch.int32).view(world_size, -1), plan.batched, out, multiplier, dense)
 
     def _sparse_add(self, payload: Payload, plan: _Plan, dtype: torch.dtype, out: torch.Tensor,
                     entries=None, backend: Optional[str] = None) -> bool:

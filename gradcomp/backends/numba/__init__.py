@@ -21,7 +21,7 @@ module              what lives there
 ``compact``         compact top-k's encode and check over a group's parts, one pass each
 ``part_check``      the quantizers' received-payload check over a group's parts, one loop
 ``elementwise``     passes torch would run as several (an average back in a stage's units)
-``average``         every rank's 3-bit payloads averaged over a group's parts, one write each
+``average``         every rank's quantized payloads averaged over a group's parts, one write each
 ==================  ====================================================================
 
 Importing this package registers the ops (:mod:`gradcomp.backends` does so on first use).

@@ -159,16 +159,17 @@ def compress_kernel(grad, residual_in, residual_out, code_words, scales):
 
 
 @njit(inline="always")
-def decode_chunk(code_bytes, c, length, alpha, code, code_u32, out):
-    """``out[64c + j] += decode(code j of chunk c)`` for ``j < length``; uint8 ``code`` ``[64]`` is scratch,
+def decode_chunk(code_bytes, first, length, alpha, code, code_u32, out, at):
+    """``out[at + j] += decode(code j)`` for ``j < length``, the chunk's codes from ``code_bytes[first]`` on (chunk
+    ``c`` of a payload: ``first = 16c``, and ``at = 64c`` in the group); uint8 ``code`` ``[64]`` is scratch,
     ``code_u32`` its uint32 view."""
-    first = np.uint64(c * (CHUNK // 4))
+    first = np.uint64(first)
     for q in range(np.uint64((length + 3) // 4)):
         b = np.uint32(code_bytes[first + q])
         code_u32[q] = (b | (b << _U32_6) | (b << _U32_12) | (b << _U32_18)) & np.uint32(0x03030303)
     zero = np.float32(0.0)
     neg_alpha = -alpha
-    lo = np.uint64(c * CHUNK)
+    lo = np.uint64(at)
     for j in range(np.uint64(length)):
         k = code[j]
         i = lo + j
@@ -188,4 +189,5 @@ def decompress_add_kernel(code_words, scales, out):
         code = np.empty(CHUNK, np.uint8)
         code_u32 = code.view(np.uint32)
         for c in range(p * PART_CHUNKS, min(chunks, (p + 1) * PART_CHUNKS)):
-            decode_chunk(code_bytes, c, min(CHUNK, n - c * CHUNK), scales[c], code, code_u32, out)
+            decode_chunk(code_bytes, c * (CHUNK // 4), min(CHUNK, n - c * CHUNK), scales[c], code, code_u32, out,
+                         c * CHUNK)
