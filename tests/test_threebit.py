@@ -218,3 +218,26 @@ def test_spec_and_payload_size():
     layout = compressor.layout(1000, torch.float32)
     assert [s.numel for s in layout.segments] == [100, 8]
     assert layout.nbytes == 4 * (100 + 8)
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 16, 63, 64])
+@pytest.mark.parametrize("first", [0, 3])
+def test_numba_packs_and_unpacks_ten_codes_a_word(count, first):
+    """The vector pack and unpack (eight words at a time) and their scalar tails against the word layout
+    (code ``b`` of word ``w`` in bits ``3b``), at a word offset that is not a whole group; nothing outside the
+    ``count`` words and ``10 * count`` codes is written."""
+    import numpy as np
+
+    from gradcomp.backends.numba import threebit
+
+    rng = np.random.default_rng(count * 10 + first)
+    code = rng.integers(0, 8, 640, dtype=np.uint8)
+    shifts = np.arange(10, dtype=np.uint32) * 3
+    expected = (code[:10 * count].reshape(count, 10).astype(np.uint32) << shifts).sum(axis=1, dtype=np.uint32)
+    packed = np.full(first + count + 2, 0xFFFFFFFF, np.uint32)
+    threebit.pack_words(code, count, packed, first)
+    assert (packed[first:first + count] == expected).all()
+    assert (packed[:first] == 0xFFFFFFFF).all() and (packed[first + count:] == 0xFFFFFFFF).all()
+    unpacked = np.full(640, 255, np.uint8)
+    threebit.unpack_words(packed, first, count, unpacked)
+    assert (unpacked[:10 * count] == code[:10 * count]).all() and (unpacked[10 * count:] == 255).all()

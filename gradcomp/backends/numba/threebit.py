@@ -13,8 +13,10 @@ branch and no call in its body (``fastmath`` is not allowed: the bits must match
   values the bit patterns order as the values do, and a float maximum would not vectorise
   without ``nnan``/``nsz``);
 * quantisation writes one code per scratch byte and the residual, with selects, not branches;
-* packing (ten 3-bit codes per word) and unpacking are the only scalar loops: a word holds ten
-  codes, so across words they are stride-10 accesses that no SIMD load serves;
+* packing (ten 3-bit codes per word) and unpacking go eight words, 80 codes, at a time as LLVM vector code
+  (:func:`pack_group`, :func:`unpack_group`): a word holds ten codes, so across words they are stride-10 accesses
+  that LLVM's loop vectoriser leaves scalar (warm, one thread, charlm-small's 43,776 words: unpacking 0.081 ->
+  0.020 ms, packing 0.066 -> 0.027 ms);
 * decoding reads one code per scratch byte and one scale per chunk, never ``i // 128``.
 
 Hot loops run over unsigned indices (as in :mod:`~gradcomp.backends.numba.twobit`): a signed
@@ -22,8 +24,11 @@ index makes Numba emit negative-index wraparound, which blocks LLVM's vectoriser
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange
+from numba.extending import intrinsic
 
 from gradcomp.backends.numba.common import INF32, NAN32, f32_from_bits, load, load_acc, residual_target
 
@@ -36,6 +41,10 @@ TILE_CHUNKS = TILE // CHUNK
 PART_TILES = 256
 LEVELS = np.float32(3.0)
 NONFINITE = 7
+#: Words a vector pack or unpack handles at once (80 codes; 64 words a tile, eight groups).
+GROUP_WORDS = 8
+
+types = numba.types
 
 _U0 = np.uint64(0)
 _U1 = np.uint64(1)
@@ -44,6 +53,8 @@ _U_PER_WORD = np.uint64(PER_WORD)
 _ABS_BITS = np.uint32(0x7FFFFFFF)
 _INF_BITS = np.uint32(0x7F800000)
 _ZERO_BITS = np.uint32(0)
+_U_GROUP = np.uint64(GROUP_WORDS)
+_U_GROUP_CODES = np.uint64(GROUP_WORDS * PER_WORD)
 
 
 @njit(cache=True)
@@ -101,10 +112,71 @@ def quantize_chunk(acc, start, stop, s, code, residual_in, residual_out, lo):
             target[np.uint64(lo) + j] = a - level * s if finite else a
 
 
+def _is_row(array, dtype) -> bool:
+    return isinstance(array, types.Array) and array.dtype == dtype and array.ndim == 1 and array.layout == "C"
+
+
+def _vector_at(context, builder, array_type, array, index, vector):
+    """A pointer to ``vector`` at element ``index`` of the C-contiguous 1-D ``array``."""
+    data = context.make_array(array_type)(context, builder, value=array).data
+    return builder.bitcast(builder.gep(data, [index], inbounds=True), vector.as_pointer())
+
+
+@intrinsic
+def pack_group(typingctx, code, at, code_words, first):
+    """``code_words[first + w]`` = the ten codes ``code[at + 10w .. at + 10w + 9]`` (uint8, ``< 8``), ``w < 8``: as
+    :func:`pack_words`, as LLVM vector code (ten byte shuffles, each shifted into place and or-ed). The caller
+    guarantees the 80 codes and 8 words."""
+    if not (_is_row(code, types.uint8) and _is_row(code_words, types.uint32)
+            and isinstance(at, types.Integer) and isinstance(first, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        lanes = ir.VectorType(ir.IntType(32), GROUP_WORDS)
+        codes = ir.VectorType(ir.IntType(8), GROUP_WORDS * PER_WORD)
+        row = builder.load(_vector_at(context, builder, signature.args[0], args[0], args[1], codes), align=1)
+        packed = None
+        for b in range(PER_WORD):
+            mask = ir.Constant(lanes, [PER_WORD * w + b for w in range(GROUP_WORDS)])  # code b of each word
+            picked = builder.shuffle_vector(row, row, mask)
+            bits = builder.shl(builder.zext(picked, lanes), ir.Constant(lanes, [3 * b] * GROUP_WORDS))
+            packed = bits if packed is None else builder.or_(packed, bits)
+        builder.store(packed, _vector_at(context, builder, signature.args[2], args[2], args[3], lanes), align=4)
+        return context.get_dummy_value()
+
+    return types.none(code, at, code_words, first), codegen
+
+
+@intrinsic
+def unpack_group(typingctx, code_words, first, code, at):
+    """The inverse of :func:`pack_group`: ``code[at + 10w + b] = (code_words[first + w] >> 3b) & 7``, ``w < 8``,
+    ``b < 10``."""
+    if not (_is_row(code_words, types.uint32) and _is_row(code, types.uint8)
+            and isinstance(first, types.Integer) and isinstance(at, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        count = GROUP_WORDS * PER_WORD
+        lanes = ir.VectorType(ir.IntType(32), count)
+        words = builder.load(_vector_at(context, builder, signature.args[0], args[0], args[1],
+                                        ir.VectorType(ir.IntType(32), GROUP_WORDS)), align=4)
+        spread = builder.shuffle_vector(words, words, ir.Constant(lanes, [i // PER_WORD for i in range(count)]))
+        shifted = builder.lshr(spread, ir.Constant(lanes, [3 * (i % PER_WORD) for i in range(count)]))
+        masked = builder.and_(shifted, ir.Constant(lanes, [7] * count))
+        codes = builder.trunc(masked, ir.VectorType(ir.IntType(8), count))
+        builder.store(codes, _vector_at(context, builder, signature.args[2], args[2], args[3], codes.type), align=1)
+        return context.get_dummy_value()
+
+    return types.none(code_words, first, code, at), codegen
+
+
 @njit(cache=True)
 def pack_words(code, count, code_words, first):
     """``code_words[first + w]`` = ten 3-bit codes ``code[10w .. 10w + 9]`` (bits ``3b``), ``w < count``."""
-    for w in range(np.uint64(count)):
+    groups = np.uint64(count) // _U_GROUP
+    for g in range(groups):
+        pack_group(code, g * _U_GROUP_CODES, code_words, np.uint64(first) + g * _U_GROUP)
+    for w in range(groups * _U_GROUP, np.uint64(count)):
         k = w * _U_PER_WORD
         packed = np.uint32(0)
         for b in range(PER_WORD):
@@ -158,7 +230,10 @@ def compress_kernel(grad, residual_in, residual_out, code_words, scales, divisor
 @njit(cache=True)
 def unpack_words(code_words, first, count, code):
     """Inverse of :func:`pack_words`: uint8 ``code[0 : 10 * count]``, one code per byte."""
-    for w in range(np.uint64(count)):
+    groups = np.uint64(count) // _U_GROUP
+    for g in range(groups):
+        unpack_group(code_words, np.uint64(first) + g * _U_GROUP, code, g * _U_GROUP_CODES)
+    for w in range(groups * _U_GROUP, np.uint64(count)):
         x = code_words[np.uint64(first) + w]
         k = w * _U_PER_WORD
         for b in range(PER_WORD):
