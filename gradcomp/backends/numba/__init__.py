@@ -22,6 +22,7 @@ module              what lives there
 ``part_check``      the quantizers' received-payload check over a group's parts, one loop
 ``elementwise``     passes torch would run as several (an average back in a stage's units)
 ``average``         every rank's quantized payloads averaged over a group's parts, one write each
+``group_parts``     a group's quantized parts as one table of work units; their compress in one call
 ==================  ====================================================================
 
 Importing this package registers the ops (:mod:`gradcomp.backends` does so on first use).

@@ -15,9 +15,6 @@ Work units are runs of a part's tiles (3-bit: 640 elements, whole code words and
 """
 from __future__ import annotations
 
-import functools
-from typing import Tuple
-
 import numpy as np
 import torch
 from numba import njit, prange
@@ -26,8 +23,9 @@ from gradcomp.backends import checks, implements_parts
 from gradcomp.backends.numba import threebit, twobit_chunk
 from gradcomp.backends.numba.common import load
 from gradcomp.backends.numba.concurrency import serialized
+from gradcomp.backends.numba.group_parts import units
 from gradcomp.backends.numba.ops import as_array
-from gradcomp.backends.parts import Part, check_parts
+from gradcomp.backends.parts import check_parts
 
 _ABS_BITS = np.uint32(0x7FFFFFFF)
 _INF_BITS = np.uint32(0x7F800000)
@@ -124,21 +122,6 @@ def average_kernel(words, units, count, multiplier, out, threebits, values, elem
             largest[u] = twobit_chunk_unit(words, r[0], r[1], r[2], r[3], r[4], r[5], count, multiplier, out)
     largest[units.shape[0]] = dense_elements(values, elements, slots, count, multiplier, out)
     return largest.max() < _INF_BITS
-
-
-@functools.lru_cache(maxsize=64)
-def units(parts: Tuple[Part, ...], block: int, per_unit: int) -> np.ndarray:
-    """int64 ``[U, 6]``: ``(lo, numel, codes, scales, first, stop)``, each part's blocks of ``block`` elements (tiles
-    or chunks) cut into runs of at most ``per_unit`` (the parallel loop's work items; a plan's parts are one tuple
-    for the group's life, so this is built once)."""
-    rows = []
-    for part in parts:
-        blocks = -(-part.numel // block)
-        rows.extend((part.lo, part.numel, part.codes, part.scales, first, min(blocks, first + per_unit))
-                    for first in range(0, blocks, per_unit))
-    table = np.array(rows, dtype=np.int64).reshape(-1, 6)
-    table.setflags(write=False)
-    return table
 
 
 _EMPTY = (torch.zeros(1, 0), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from gradcomp.backends import checks, implements, implements_parts
-from gradcomp.backends.numba import threebit, topk, topk_decode, topk_parts, twobit, twobit_chunk
+from gradcomp.backends.numba import group_parts, threebit, topk, topk_decode, topk_parts, twobit, twobit_chunk
 from gradcomp.backends.numba.concurrency import serialized
 from gradcomp.backends.parts import check_parts, check_selections, spans
 
@@ -147,9 +147,12 @@ def topk_decompress_add(values, indices, out) -> None:
 
 
 # -- the batched forms over a group's parts (gradcomp.backends.parts): one lock, one view of each array ------
-def _compress_parts(op: str, compress_kernel, divides: bool):
-    """``op``'s batched compress over ``compress_kernel``; ``divides``: the kernel takes a ``divisor`` (else a
+def _compress_parts(op: str, block: int, per_unit: int, divides: bool):
+    """``op``'s batched compress: every part in one call of :func:`group_parts.compress_kernel
+    <gradcomp.backends.numba.group_parts.compress_kernel>`; ``divides``: the kernel takes a ``divisor`` (else a
     divisor is applied first, by the same float32 division)."""
+    threebits = op.startswith("threebit")
+
     @implements_parts(op, "numba")
     @serialized
     def compress_parts(grad, residual_in, residual_out, words, parts, divisor=None) -> None:
@@ -159,19 +162,9 @@ def _compress_parts(op: str, compress_kernel, divides: bool):
         check_parts(op, parts, n, words.numel())
         if divisor is not None and not divides:
             grad, divisor = grad.float() / divisor, None
-        g, r_in, r_out = as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out)
-        d = as_array(divisor)
-        w = as_array(words).view(np.uint32)
-        f = w.view(np.float32)
-        for part in parts:
-            piece = slice(part.lo, part.lo + part.numel)
-            codes, scales = spans(op, part)
-            residuals = (None if r_in is None else r_in[piece],
-                         r_out if r_out is None or r_out is True else r_out[piece])
-            if d is None:
-                compress_kernel(g[piece], *residuals, w[codes], f[scales])
-            else:
-                compress_kernel(g[piece], *residuals, w[codes], f[scales], d[piece])
+        group_parts.compress_kernel(as_array(grad), as_array(residual_in), residual_arg(residual_in, residual_out),
+                                    as_array(words).view(np.uint32), group_parts.units(tuple(parts), block, per_unit),
+                                    as_array(divisor), threebits)
 
     return compress_parts
 
@@ -192,7 +185,8 @@ def _decompress_parts(op: str, decompress_kernel):
     return decompress_add_parts
 
 
-threebit_compress_parts = _compress_parts("threebit_compress", threebit.compress_kernel, divides=True)
+threebit_compress_parts = _compress_parts("threebit_compress", threebit.TILE, threebit.PART_TILES, divides=True)
 threebit_decompress_add_parts = _decompress_parts("threebit_decompress_add", threebit.decompress_add_kernel)
-twobit_chunk_compress_parts = _compress_parts("twobit_chunk_compress", twobit_chunk.compress_kernel, divides=False)
+twobit_chunk_compress_parts = _compress_parts("twobit_chunk_compress", twobit_chunk.CHUNK, twobit_chunk.PART_CHUNKS,
+                                              divides=False)
 twobit_chunk_decompress_add_parts = _decompress_parts("twobit_chunk_decompress_add", twobit_chunk.decompress_add_kernel)
