@@ -15,8 +15,8 @@ branch and no call in its body (``fastmath`` is not allowed: the bits must match
 * quantisation writes one code per scratch byte and the residual, with selects, not branches;
 * packing (ten 3-bit codes per word) and unpacking go eight words, 80 codes, at a time as LLVM vector code
   (:func:`pack_group`, :func:`unpack_group`): a word holds ten codes, so across words they are stride-10 accesses
-  that LLVM's loop vectoriser leaves scalar (warm, one thread, charlm-small's 43,776 words: unpacking 0.081 ->
-  0.020 ms, packing 0.066 -> 0.027 ms);
+  that LLVM's loop vectoriser leaves scalar (warm, one thread, charlm-small's 43,776 words: unpacking 0.119 ->
+  0.022 ms, packing 0.099 -> 0.028 ms; ``experiments/results/research-step-overhead/pack_warm.py``, informal);
 * decoding reads one code per scratch byte and one scale per chunk, never ``i // 128``.
 
 Hot loops run over unsigned indices (as in :mod:`~gradcomp.backends.numba.twobit`): a signed
