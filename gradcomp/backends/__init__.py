@@ -231,11 +231,14 @@ def implements_parts(op: str, backend: str) -> Callable[[Callable], Callable]:
 #:   (:func:`gradcomp.backends.parts.parts_valid`; it accepts exactly what the torch form accepts).
 #: * ``"elementwise"``: passes torch would run as several. ``divide_multiply``: ``fn(out, count, multiplier)``,
 #:   float32 ``out[n]`` becomes ``out / count * multiplier`` (``count`` an int, ``multiplier`` float32 ``[n]``): an
-#:   average back in a stage's units (:func:`~gradcomp.exchanges.base.average_gathered`).
+#:   average back in a stage's units (:func:`~gradcomp.exchanges.base.average_gathered`). ``quotient_norms``:
+#:   ``fn(grads, denoms)``, lists of ``k`` alike tensors (read only), returns ``(||g_t / d_t||, ||g_t||)`` as two
+#:   float32 ``[k]`` tensors, bitwise ``torch._foreach_norm`` of the quotients and of the gradients, stacked, or
+#:   ``None`` where it cannot promise those bits (:func:`~gradcomp.optim.step_norms.step_norms`).
 FORMS = {
     "sparse_parts": ("compact_encode", "compact_entries"),
     "check": ("parts_valid",),
-    "elementwise": ("divide_multiply",),
+    "elementwise": ("divide_multiply", "quotient_norms"),
 }
 
 

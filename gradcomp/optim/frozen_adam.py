@@ -69,6 +69,7 @@ from gradcomp.optim.frozen_update import bounded_step, frozen_update
 from gradcomp.optim.live_level import LiveLevel
 from gradcomp.optim.spike_guard import SUSPENDED_STRIDE, SpikeGuard, live_denominators, scaled
 from gradcomp.optim.step_hook import after_closure
+from gradcomp.optim.step_norms import step_norms
 from gradcomp.setup import unwrapped_names
 
 __all__ = ["FrozenVarianceAdam"]
@@ -299,20 +300,25 @@ class FrozenVarianceAdam:
         ``grad`` so that the optimizer's own step skips it, until :meth:`after_optimizer_step` puts it back."""
         optimizer = self.optimizer
         self._cleared = []
-        factor = self._guard_factor()
+        # each parameter with a gradient: its optimizer steps done, read once a step (a state lookup per read)
+        done = {id(p): self._steps_done(p) for group in optimizer.param_groups for p in group["params"]
+                if p.grad is not None}
+        factor, plain = self._guard_factor(done)
         for index, group in enumerate(optimizer.param_groups if not self.suspended else ()):  # suspended: none frozen
-            params = [p for p in group["params"] if p.grad is not None and self.frozen(p)]
+            params = [p for p in group["params"] if id(p) in done and self.compresses_at(done[id(p)])]  # frozen(p)
             if not params:
                 continue
-            self.gate.watch(index, group, self._steps_done(params[0]) - self._frozen_at())
+            self.gate.watch(index, group, done[id(params[0])] - self._frozen_at())
             states, denoms = [optimizer.state[p] for p in params], [self._denom(p, group) for p in params]
             grads = [p.grad for p in params]
             if self.level is not None:  # the guard's factor joins the level's: one pass over the gradients
-                grads = scaled(grads, self.level.factor(index, grads, denoms, group["betas"][1], group["eps"], factor))
+                norms = None if plain is None else plain[1][[plain[0][id(p)] for p in params]]
+                grads = scaled(grads, self.level.factor(index, grads, denoms, group["betas"][1], group["eps"], factor,
+                                                        norms))
             else:
                 grads = scaled(grads, factor)
             frozen_update(params, [state["exp_avg"] for state in states], grads, denoms,
-                          [self._steps_done(p) + 1 for p in params],
+                          [done[id(p)] + 1 for p in params],
                           group, decoupled_weight_decay(optimizer, group), self.exchange, self.bounded)
             for param, state in zip(params, states):
                 state["step"] += 1
@@ -320,18 +326,22 @@ class FrozenVarianceAdam:
                 param.grad = None
         self.gate.record(optimizer)
 
-    def _guard_factor(self) -> Optional[torch.Tensor]:
+    def _guard_factor(self, done: Dict[int, int]):
         """The factor of this step's frozen updates (:class:`SpikeGuard`; ``None``: none) from each gradient over its
-        frozen or Adam's live denominator; suspended, on one step in :data:`~.spike_guard.SUSPENDED_STRIDE`."""
+        frozen or Adam's live denominator (``done``: the steps of each parameter with a gradient, by id); suspended,
+        on one step in :data:`~.spike_guard.SUSPENDED_STRIDE`. With it
+        the gradients' own norms from the same pass where a frozen step's live level reads them, ``(position of each
+        parameter by id, float32 [k])``, else ``None``."""
         first = next(iter(self.names.values()), None)
         if self.guard is None or self.suspended and first is not None and self._steps_done(first) % SUSPENDED_STRIDE:
-            return None
-        grads, denoms, live, frozen = [], [], {}, False  # live: (bias correction, eps) -> where Adam's own go
+            return None, None
+        grads, denoms, live, frozen, at = [], [], {}, False, {}  # live: (bias correction, eps) -> where Adam's own go
         for group in self.optimizer.param_groups:
             for param in group["params"]:
-                steps = self._steps_done(param) if param.grad is not None else 0
+                steps = done.get(id(param), 0)
                 if not steps:
                     continue
+                at[id(param)] = len(grads)
                 grads.append(param.grad)
                 if not self.suspended and self.compresses_at(steps):
                     frozen = True
@@ -340,9 +350,10 @@ class FrozenVarianceAdam:
                     live.setdefault((1 - group["betas"][1] ** steps, group["eps"]), []).append(len(denoms))
                     denoms.append(self.optimizer.state[param]["exp_avg_sq"])
         for (bias, eps), where in live.items():
-            for at, denom in zip(where, live_denominators([denoms[at] for at in where], bias, eps)):
-                denoms[at] = denom
-        return self.guard.scale(grads, denoms, frozen)
+            for place, denom in zip(where, live_denominators([denoms[place] for place in where], bias, eps)):
+                denoms[place] = denom
+        quotients, plain = step_norms(grads, denoms, self.level is not None and frozen) if grads else (None, None)
+        return self.guard.scale(grads, denoms, frozen, quotients), None if plain is None else (at, plain)
 
     def after_optimizer_step(self) -> None:
         """Put back the gradients :meth:`before_optimizer_step` cleared (each ``param.grad`` is

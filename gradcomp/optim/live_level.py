@@ -37,7 +37,7 @@ class LiveLevel:
 
     @torch.no_grad()
     def factor(self, index: int, grads: List[torch.Tensor], denoms: List[torch.Tensor], beta2: float, eps: float,
-               guard: Optional[torch.Tensor] = None) -> torch.Tensor:
+               guard: Optional[torch.Tensor] = None, norms: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Observe param group ``index``'s step and return what its frozen step multiplies the gradients by,
         ``sqrt(n_0 / n)`` after this step's ``n`` (a 0-d float32 tensor; times ``guard`` when given).
 
@@ -47,9 +47,13 @@ class LiveLevel:
                 group's first call).
             beta2: the group's ``betas[1]``; eps: its ``eps``.
             guard: the spike guard's factor on ``grads`` (0-d), which the level sees as the step does.
+            norms: each gradient's norm where the caller has them (float32 ``[k]``, bitwise torch's
+                ``_foreach_norm``: :func:`~.step_norms.step_norms`).
         """
         elements = sum(g.numel() for g in grads)
-        squares = torch.stack(torch._foreach_norm([g.float() for g in grads])).square().sum()
+        if norms is None:
+            norms = torch.stack(torch._foreach_norm([g.float() for g in grads]))
+        squares = norms.square().sum()
         if guard is not None:
             squares = squares * guard.square()
         level = self.levels.get(index)

@@ -22,6 +22,8 @@ from typing import List, Optional
 
 import torch
 
+from gradcomp.optim.step_norms import step_norms
+
 __all__ = ["SpikeGuard", "SPIKE_ALPHA", "SPIKE_Z", "SPIKE_SKIP", "SUSPENDED_STRIDE", "live_denominators", "scaled"]
 
 #: The smoothing of the averages (ZClip's default).
@@ -63,19 +65,21 @@ class SpikeGuard:
         self.mean = self.var = None
 
     @torch.no_grad()
-    def scale(self, grads: List[torch.Tensor], denoms: List[torch.Tensor], frozen: bool) -> torch.Tensor:
+    def scale(self, grads: List[torch.Tensor], denoms: List[torch.Tensor], frozen: bool,
+              norms: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Observe this step's ``r = rms(grads / denoms)`` and return what the frozen step multiplies its
         gradients by: ``limit / r`` where ``frozen``, the guard warmed up and ``r`` past the limit, else 1.0
         exactly (a 0-d float32 tensor; multiplying by it is then a bitwise no-op). ``grads`` and ``denoms``: one
-        tensor per parameter, alike shaped (read only). The averages take ``min(r, limit)``."""
+        tensor per parameter, alike shaped (read only); ``norms``: each quotient's norm where the caller has them
+        (float32 ``[k]``, :func:`~.step_norms.step_norms`). The averages take ``min(r, limit)``."""
         device = grads[0].device if grads else torch.device("cpu")
         one = torch.ones((), dtype=torch.float32, device=device)
         self.calls += 1
         if not grads or self.calls <= self.skip:
             return one
-        # one multi-tensor op per pass for all the parameters (one kernel launch on a GPU, not one each)
-        norms = torch._foreach_norm(torch._foreach_div([g.float() for g in grads], denoms))
-        squares = torch.stack(norms).square().sum()
+        if norms is None:
+            norms = step_norms(grads, denoms, plain=False)[0]
+        squares = norms.square().sum()
         r = (squares / sum(g.numel() for g in grads)).sqrt()
         if self.mean is None:
             self.mean, self.var = r.clone(), torch.zeros_like(r)
