@@ -234,11 +234,16 @@ def implements_parts(op: str, backend: str) -> Callable[[Callable], Callable]:
 #:   average back in a stage's units (:func:`~gradcomp.exchanges.base.average_gathered`). ``quotient_norms``:
 #:   ``fn(grads, denoms)``, lists of ``k`` alike tensors (read only), returns ``(||g_t / d_t||, ||g_t||)`` as two
 #:   float32 ``[k]`` tensors, bitwise ``torch._foreach_norm`` of the quotients and of the gradients, stacked, or
-#:   ``None`` where it cannot promise those bits (:func:`~gradcomp.optim.step_norms.step_norms`).
+#:   ``None`` where it cannot promise those bits (:func:`~gradcomp.optim.step_norms.step_norms`). ``frozen_step``:
+#:   ``fn(params, exp_avgs, grads, denoms, factor, weight, copy, decay, values)``, the frozen-variance Adam step of a
+#:   param group (:func:`~gradcomp.optim.frozen_update.frozen_update`'s torch ops: ``grads * factor`` where ``factor``
+#:   is a 0-d tensor, the moments ``lerp_`` by ``weight`` or a copy, ``params * decay`` where it is a float, then
+#:   ``addcdiv_`` by ``values``), params and moments mutated; returns ``False`` with nothing written where it cannot
+#:   promise torch's bits.
 FORMS = {
     "sparse_parts": ("compact_encode", "compact_entries"),
     "check": ("parts_valid",),
-    "elementwise": ("divide_multiply", "quotient_norms"),
+    "elementwise": ("divide_multiply", "quotient_norms", "frozen_step"),
 }
 
 

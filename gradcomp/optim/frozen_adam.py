@@ -67,7 +67,7 @@ from gradcomp.optim.frozen_adam_load import prepare_load, state_dict
 from gradcomp.optim.frozen_units import group_divisor, next_moments
 from gradcomp.optim.frozen_update import bounded_step, frozen_update
 from gradcomp.optim.live_level import LiveLevel
-from gradcomp.optim.spike_guard import SUSPENDED_STRIDE, SpikeGuard, live_denominators, scaled
+from gradcomp.optim.spike_guard import SUSPENDED_STRIDE, SpikeGuard, live_denominators
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.optim.step_norms import step_norms
 from gradcomp.setup import unwrapped_names
@@ -311,15 +311,13 @@ class FrozenVarianceAdam:
             self.gate.watch(index, group, done[id(params[0])] - self._frozen_at())
             states, denoms = [optimizer.state[p] for p in params], [self._denom(p, group) for p in params]
             grads = [p.grad for p in params]
-            if self.level is not None:  # the guard's factor joins the level's: one pass over the gradients
+            scale = factor  # the guard's factor joins the group's level: one pass over the gradients
+            if self.level is not None:
                 norms = None if plain is None else plain[1][[plain[0][id(p)] for p in params]]
-                grads = scaled(grads, self.level.factor(index, grads, denoms, group["betas"][1], group["eps"], factor,
-                                                        norms))
-            else:
-                grads = scaled(grads, factor)
+                scale = self.level.factor(index, grads, denoms, group["betas"][1], group["eps"], factor, norms)
             frozen_update(params, [state["exp_avg"] for state in states], grads, denoms,
-                          [done[id(p)] + 1 for p in params],
-                          group, decoupled_weight_decay(optimizer, group), self.exchange, self.bounded)
+                          [done[id(p)] + 1 for p in params], group, decoupled_weight_decay(optimizer, group),
+                          self.exchange, self.bounded, scale)
             for param, state in zip(params, states):
                 state["step"] += 1
                 self._cleared.append((param, param.grad))

@@ -6,14 +6,19 @@ Adam) instead of one per parameter: on a GPU one kernel launch instead of one pe
 On one CPU thread the passes over memory dominate, not the calls (the main job's transformer, 28 tensors,
 437,760 elements: 0.81 ms a step either way). The arithmetic is the per-parameter one, operation for
 operation, so the parameters are bitwise those of a step taken one parameter at a time
-(``tests/test_frozen_update.py``).
+(``tests/test_frozen_update.py``). On the CPU the backend's ``frozen_step`` form (:data:`~gradcomp.backends.FORMS`)
+does the same arithmetic in one pass, with the same bits, where it can promise them
+(:mod:`gradcomp.backends.numba.frozen_step`).
 """
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
+
+from gradcomp.backends import form_kernel
+from gradcomp.optim.spike_guard import multiplies, scaled
 
 __all__ = ["frozen_update", "bounded_step"]
 
@@ -21,7 +26,7 @@ __all__ = ["frozen_update", "bounded_step"]
 @torch.no_grad()
 def frozen_update(params: List[torch.Tensor], exp_avgs: List[torch.Tensor], grads: List[torch.Tensor],
                   denoms: List[torch.Tensor], steps: Sequence[int], group: dict, decoupled: bool,
-                  exchange: str, bounded: bool) -> None:
+                  exchange: str, bounded: bool, factor: Optional[torch.Tensor] = None) -> None:
     """Step ``params`` by Adam with frozen denominators (each list one entry per parameter, alike shaped).
 
     Args:
@@ -30,7 +35,8 @@ def frozen_update(params: List[torch.Tensor], exp_avgs: List[torch.Tensor], grad
         exp_avgs: the optimizer's first moments (mutated: ``exchange="momentum"``: the averaged first moment
             ``grads`` holds, copied; ``"gradient"``: its exponential average with ``grads`` (+ ``wd * p``
             when not ``decoupled``)).
-        grads: what ``.grad`` holds (read only).
+        grads: what ``.grad`` holds (read only), stepped on times ``factor`` where it is given (0-d float32: the
+            stage's spike guard and live level; :func:`~.spike_guard.scaled`).
         denoms: the frozen denominators ``d`` (read only).
         steps: each parameter's step number ``t`` after this step (its bias correction).
         group: the param group (``lr``, ``betas``, ``weight_decay``; read at this call).
@@ -38,6 +44,14 @@ def frozen_update(params: List[torch.Tensor], exp_avgs: List[torch.Tensor], grad
             back to 1 (:func:`bounded_step`).
     """
     beta1, lr, wd = group["betas"][0], float(group["lr"]), group["weight_decay"]
+    biases = [1 - beta1**t for t in steps]
+    factor = factor if multiplies(factor) else None  # a CPU 1.0 multiplies nothing
+    if params and not bounded and (decoupled or not wd) and isinstance(beta1, float):  # a tensor beta: torch's ops
+        fused = form_kernel("elementwise", "frozen_step", params[0].device)
+        if fused is not None and fused(params, exp_avgs, grads, denoms, factor, 1 - beta1, exchange == "momentum",
+                                       1 - lr * wd if wd else None, [-lr / bias for bias in biases]):
+            return
+    grads = scaled(grads, factor)
     if exchange == "momentum":
         torch._foreach_copy_(exp_avgs, grads)
     else:
@@ -46,7 +60,6 @@ def frozen_update(params: List[torch.Tensor], exp_avgs: List[torch.Tensor], grad
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     if wd and decoupled:
         torch._foreach_mul_(params, 1 - lr * wd)
-    biases = [1 - beta1**t for t in steps]
     moments = exp_avgs
     if bounded and exchange == "gradient":
         moments = [m / bounded_step(m / d, bias) for m, d, bias in zip(exp_avgs, denoms, biases)]

@@ -24,7 +24,8 @@ import torch
 
 from gradcomp.optim.step_norms import step_norms
 
-__all__ = ["SpikeGuard", "SPIKE_ALPHA", "SPIKE_Z", "SPIKE_SKIP", "SUSPENDED_STRIDE", "live_denominators", "scaled"]
+__all__ = ["SpikeGuard", "SPIKE_ALPHA", "SPIKE_Z", "SPIKE_SKIP", "SUSPENDED_STRIDE", "live_denominators", "multiplies",
+           "scaled"]
 
 #: The smoothing of the averages (ZClip's default).
 SPIKE_ALPHA = 0.97
@@ -132,10 +133,13 @@ def live_denominators(variances: List[torch.Tensor], bias: float, eps: float) ->
     return denoms
 
 
+def multiplies(factor: Optional[torch.Tensor]) -> bool:
+    """Whether a step multiplies its gradients by ``factor``: not where it is ``None`` or a CPU 1.0 (on the host that
+    test is free and the copy is not; on a device the product runs: no host sync)."""
+    return factor is not None and not (factor.device.type == "cpu" and float(factor) == 1.0)
+
+
 def scaled(grads: List[torch.Tensor], factor: Optional[torch.Tensor]) -> List[torch.Tensor]:
-    """``grads`` times ``factor`` (new tensors; ``grads`` are not mutated), or ``grads`` themselves where ``factor``
-    is ``None`` or a CPU 1.0: on the host that test is free and the copy is not; on a device the product runs
-    (no host sync)."""
-    if factor is None or (factor.device.type == "cpu" and float(factor) == 1.0):
-        return grads
-    return torch._foreach_mul(grads, factor)
+    """``grads`` times ``factor`` (new tensors; ``grads`` are not mutated) where it :func:`multiplies`, else
+    ``grads`` themselves."""
+    return torch._foreach_mul(grads, factor) if multiplies(factor) else grads
