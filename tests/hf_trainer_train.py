@@ -13,6 +13,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import hf_workers as hf  # tests/ is on PYTHONPATH (see launchers.environment)
+from gradcomp import inflight
 from gradcomp.hooks.hf_trainer import GradcompTrainerCallback
 from gradcomp.setup import innermost_optimizer
 
@@ -44,6 +45,11 @@ def main(argv):
                        mixed_precision=trainer.accelerator.mixed_precision,
                        ddp=type(trainer.model_wrapped).__name__)  # fmt: skip
         torch.save(outcome, result_path)
+    # The dense baseline starts no collective of gradcomp's, so gradcomp's exit wait is never installed there, and the
+    # Trainer's own last gather hands Gloo Python tensors that its thread frees after wait() returns: a dense rank
+    # aborted at exit once in a whole-suite run ("terminate called without an active exception"). Wait as gradcomp's
+    # exit waits (gradcomp.inflight's docstring).
+    inflight.wait_for_idle_gloo_threads()
 
 
 if __name__ == "__main__":
