@@ -4,8 +4,8 @@ rate-limited with ``tc ... tbf``, so local ranks talk over a link of a chosen sp
 How (as root)::
 
     ip netns add gcnetem-<pid>-<random>
-    ip netns exec NAME ip link set lo up
-    ip netns exec NAME tc qdisc add dev lo root tbf rate 1gbit burst 128kb latency 100ms
+    ip netns exec NAME ip link set lo mtu 1500 up
+    ip netns exec NAME tc qdisc add dev lo root tbf rate 1gbit burst 125000 limit 16mb
     ip netns exec NAME env GLOO_SOCKET_IFNAME=lo MASTER_ADDR=127.0.0.1 <command>
     ip netns del NAME                       # always, in a finally
 
@@ -16,8 +16,11 @@ namespace lacks, and hangs).
 What the emulated link is. All ranks share one loopback, so the ``tbf`` rate is the
 *aggregate* rate of all traffic between ranks, in both directions together: with 2
 ranks each sending at once, each gets about half. It is a shared medium of the given
-rate, which is harsher than two full-duplex NICs of that rate. The ``burst`` of 128 KB
-holds two 64 KB loopback packets; ``latency 100ms`` bounds the queue.
+rate, which is harsher than two full-duplex NICs of that rate. The token bucket holds 1 ms of
+the rate's bytes (at least 4 KB) and the queue before it is deep, so that a message takes its
+time at the rate whether the link was idle before or not, and no packet is dropped
+(:mod:`experiments.netem_tbf`); the loopback carries Ethernet's MTU so that such a bucket
+passes its packets.
 
 Full duplex (``mode="duplex"``, ``--link-mode duplex``): one namespace per rank, each with one
 interface ``gc0`` at ``10.213.0.<rank+1>/24`` whose veth peer sits on a bridge in a hub
@@ -59,14 +62,10 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+from experiments.netem_tbf import MTU, UNSHAPED, parse_rate, tbf_args
+
 PREFIX = "gcnetem"
-UNSHAPED = "unshaped"
 COMMAND_TIMEOUT_S = 20.0
-TBF_BURST = "128kb"
-TBF_LATENCY = "100ms"
-# tc's rate syntax, restricted to plain numbers and units (the value goes to argv only,
-# but a strict pattern gives a clear error for typos such as "1gb").
-_RATE = re.compile(r"^[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.IGNORECASE)
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+(-(hub|r\d+))?$")
 LINK_MODES = ("shared", "duplex")
 #: The private range of the duplex topology; it exists only inside the namespaces made here.
@@ -150,17 +149,6 @@ class Link:
         }
 
 
-def parse_rate(rate: Optional[str]) -> Optional[str]:
-    """``None`` for no shaping (``None``, ``""``, ``"unshaped"``, ``"none"``), else the
-    rate in tc syntax, lower-cased (``"1gbit"``); ``ValueError`` for anything else."""
-    if rate is None or rate.strip().lower() in ("", UNSHAPED, "none"):
-        return None
-    rate = rate.strip().lower()
-    if not _RATE.match(rate):
-        raise ValueError(f"link rate {rate!r} is not a tc rate such as 1gbit, 100mbit or 10gbit (or 'unshaped')")
-    return rate
-
-
 def _run(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=check)
 
@@ -238,14 +226,13 @@ def warn_unshaped(requested: str, reason: str) -> None:
 
 def _create(name: str, rate: str) -> None:
     _run(["ip", "netns", "add", name])
-    _run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"])
-    _run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-          "rate", rate, "burst", TBF_BURST, "latency", TBF_LATENCY])  # fmt: skip
+    _run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "mtu", str(MTU), "up"])
+    _run(_tbf(name, "lo", rate))
 
 
-def _tbf(namespace: str, device: str, rate: str) -> List[str]:
-    return ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
-            "rate", rate, "burst", TBF_BURST, "latency", TBF_LATENCY]  # fmt: skip
+def _tbf(namespace: str, device: str, rate: str, verb: str = "add") -> List[str]:
+    """The command that puts (``verb``: ``add`` or ``replace``) the ``rate``'s bucket on ``device`` in ``namespace``."""
+    return ["ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", device, "root", *tbf_args(rate)]
 
 
 def _create_duplex(hub: str, ranks: Sequence[str], rate: str) -> None:
@@ -262,9 +249,9 @@ def _create_duplex(hub: str, ranks: Sequence[str], rate: str) -> None:
         _run(["ip", "-n", name, "link", "set", "lo", "up"])
         _run(["ip", "-n", hub, "link", "add", f"h{rank}", "type", "veth", "peer", "name", DUPLEX_IFNAME,
               "netns", name])  # fmt: skip
-        _run(["ip", "-n", hub, "link", "set", f"h{rank}", "master", "br0", "up"])
+        _run(["ip", "-n", hub, "link", "set", f"h{rank}", "mtu", str(MTU), "master", "br0", "up"])
         _run(["ip", "-n", name, "addr", "add", f"{Link.address(rank)}/24", "dev", DUPLEX_IFNAME])
-        _run(["ip", "-n", name, "link", "set", DUPLEX_IFNAME, "up"])
+        _run(["ip", "-n", name, "link", "set", DUPLEX_IFNAME, "mtu", str(MTU), "up"])
         _run(_tbf(name, DUPLEX_IFNAME, rate))
         _run(_tbf(hub, f"h{rank}", rate))
 

@@ -4,6 +4,8 @@ and the command line that runs a command over such a link.
 * :func:`measure_gbit_s`: one TCP stream over a shared link's loopback.
 * :func:`measure_duplex_gbit_s`: between the rank namespaces of a full-duplex link, one way or
   both ways at once.
+* :func:`message_seconds`: how long one message takes from rank 0 to rank 1 of a full-duplex link
+  after the link was idle (what a token bucket's stored tokens would shorten).
 
 The tests use them to show that a shaped link has the rate asked for.
 
@@ -20,7 +22,7 @@ from typing import List
 
 from experiments.netem import LINK_MODES, UNSHAPED, Link, clean_stale, link, parse_rate
 
-__all__ = ["measure_gbit_s", "measure_duplex_gbit_s", "main"]
+__all__ = ["measure_gbit_s", "measure_duplex_gbit_s", "message_seconds", "main"]
 
 
 # A throughput probe that runs inside the link: one TCP stream over 127.0.0.1.
@@ -120,6 +122,64 @@ def measure_duplex_gbit_s(shaped: Link, nbytes: int = 4 << 20, both: bool = True
         raise RuntimeError(f"the duplex probe failed: exit {[p.returncode for p in processes]}")
     rates = [float(out.strip().splitlines()[-1]) for out in outputs]  # [rank 1 received, rank 0 received]
     return [rates[1], rates[0]] if both else [rates[0]]
+
+
+# One message after a pause, as a rank between two steps: rank 1 acknowledges each message of
+# ``n`` bytes (an 8-byte length first) with one byte; rank 0 sleeps ``gap`` seconds before each.
+_MESSAGE_SERVER = r"""
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 5202)); s.listen(1); s.settimeout(60)
+c, _ = s.accept(); c.settimeout(60); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while True:
+    head = c.recv(8, socket.MSG_WAITALL)
+    if len(head) < 8:
+        break
+    n, got = int.from_bytes(head, "little"), 0
+    while got < n:
+        data = c.recv(min(1 << 20, n - got))
+        if not data:
+            raise SystemExit(1)
+        got += len(data)
+    c.sendall(b"k")
+"""
+_MESSAGE_CLIENT = r"""
+import socket, statistics, sys, time
+peer, sizes, gap, repeats = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], float(sys.argv[3]), int(sys.argv[4])
+deadline = time.monotonic() + 30
+while True:
+    try:
+        c = socket.create_connection((peer, 5202), timeout=60); break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for n in sizes:
+    seconds = []
+    for _ in range(repeats):
+        time.sleep(gap)
+        start = time.perf_counter(); c.sendall(n.to_bytes(8, "little") + bytes(n)); c.recv(1)
+        seconds.append(time.perf_counter() - start)
+    print(statistics.median(seconds))
+"""
+
+
+def message_seconds(shaped: Link, sizes: List[int], gap: float = 0.3, repeats: int = 3,
+                    timeout: float = 120.0) -> List[float]:
+    """Per size in ``sizes`` (bytes), the median seconds of ``repeats`` messages from rank 0 to rank 1 of a
+    duplex ``shaped``, each sent ``gap`` seconds after the last one was acknowledged."""
+    if len(shaped.rank_namespaces) < 2:
+        raise ValueError("message_seconds needs a duplex link of at least 2 ranks")
+    server = subprocess.Popen(shaped.rank_command(1, [sys.executable, "-c", _MESSAGE_SERVER, Link.address(1)]))
+    try:
+        client = subprocess.run(shaped.rank_command(0, [
+            sys.executable, "-c", _MESSAGE_CLIENT, Link.address(1), ",".join(map(str, sizes)), str(gap),
+            str(repeats)]), capture_output=True, text=True, timeout=timeout, check=True)
+    finally:
+        server.kill()
+        server.wait(10)
+    return [float(line) for line in client.stdout.split()]
 
 
 def main(argv=None) -> int:

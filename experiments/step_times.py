@@ -64,12 +64,12 @@ def _set_link(rate: str) -> None:
     hub = names[0].rsplit("-r", 1)[0] + "-hub"
     ends = [(name, netem.DUPLEX_IFNAME) for name in names] + [(hub, f"h{r}") for r in range(len(names))]
     for namespace, device in ends:
-        base = ["ip", "netns", "exec", namespace, "tc", "qdisc"]
         if rate == "unshaped":
-            subprocess.run(base + ["del", "dev", device, "root"], capture_output=True, timeout=20)
+            subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root"],
+                           capture_output=True, timeout=20)
         else:
-            subprocess.run(base + ["replace", "dev", device, "root", "tbf", "rate", rate, "burst", netem.TBF_BURST,
-                                   "latency", netem.TBF_LATENCY], check=True, capture_output=True, timeout=20)
+            subprocess.run(netem._tbf(namespace, device, rate, "replace"), check=True, capture_output=True,
+                           timeout=20)
 
 
 def _agree_on_link(rate: str, rank: int) -> None:

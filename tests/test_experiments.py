@@ -291,6 +291,22 @@ def test_rates_are_validated():
             netem.parse_rate(bad)
 
 
+def test_the_bucket_holds_a_millisecond_of_the_rate():
+    from experiments import netem_tbf
+
+    # tc's units: "bit" rates are bits a second, "bps" rates bytes a second, the prefixes decimal.
+    assert netem_tbf.rate_bytes_per_s("10mbit") == 1.25e6
+    assert netem_tbf.rate_bytes_per_s("1.5Gbit") == 1.875e8
+    assert netem_tbf.rate_bytes_per_s("100mbps") == 1e8
+    assert netem_tbf.burst_bytes("1gbit") == 125_000 and netem_tbf.burst_bytes("10gbit") == 1_250_000
+    assert netem_tbf.burst_bytes("100mbit") == 12_500
+    # Slow links keep two packets of the MTU: a packet larger than the bucket would never pass.
+    assert netem_tbf.burst_bytes("10mbit") == netem_tbf.MIN_BURST >= 2 * netem_tbf.MTU
+    assert netem_tbf.tbf_args("100mbit") == ["tbf", "rate", "100mbit", "burst", "12500", "limit", netem_tbf.LIMIT]
+    with pytest.raises(ValueError):
+        netem_tbf.rate_bytes_per_s("1gb")
+
+
 def test_unshaped_link_runs_commands_unchanged():
     with netem.link("unshaped") as link:
         assert not link.shaped and not link.fallback and link.label == "unshaped"

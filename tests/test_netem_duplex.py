@@ -37,7 +37,7 @@ def test_duplex_link_shapes_each_direction_and_carries_a_gloo_job():
         # tbf on both ends of each rank's veth: rank -> bridge on the rank's end, bridge -> rank on the hub's.
         for rank, namespace in enumerate(link.rank_namespaces):
             for shown in (qdisc(namespace, netem.DUPLEX_IFNAME), qdisc(link.hub, f"h{rank}")):
-                assert "tbf" in shown and "100Mbit" in shown, shown
+                assert "tbf" in shown and "100Mbit" in shown and "burst 12500b" in shown, shown
 
         # Each direction has the full rate: both at once take about as long as one alone (a shared
         # medium would halve each, their sum staying at the rate). Generous bounds: the machine may be loaded.
@@ -65,6 +65,19 @@ def test_duplex_link_shapes_each_direction_and_carries_a_gloo_job():
         assert [rank.returncode for rank in ranks] == [0, 0], outputs
         assert f"ok 0 {netem.DUPLEX_IFNAME}" in outputs[0] and f"ok 1 {netem.DUPLEX_IFNAME}" in outputs[1], outputs
     assert ours(prefix) == []
+
+
+def test_a_message_after_a_pause_takes_its_time_at_the_rate():
+    # A method that sends a few KB between the steps of others must not cross the link faster than the rate
+    # allows: the bucket's tokens saved while idle cut at most its 4 KB (3.3 ms at 10 Mbit/s) from a message
+    # (a 128 KB bucket sent 64 KB in 0.2 ms after 0.3 s idle), and the deep queue drops nothing (behind a
+    # 100-ms queue a retransmission timeout made 200 KB take 335 ms).
+    sizes = [16_000, 64_000, 200_000]
+    with netem.link("10mbit", mode="duplex", ranks=2) as link:
+        seconds = netem_probe.message_seconds(link, sizes, gap=0.3, repeats=3)
+    at_rate = [n / 1.25e6 for n in sizes]
+    for n, took, line in zip(sizes, seconds, at_rate):
+        assert line - 0.004 < took < 1.4 * line + 0.01, (n, took, line)
 
 
 def test_duplex_namespaces_are_removed_after_an_exception():
