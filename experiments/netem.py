@@ -18,9 +18,9 @@ What the emulated link is. All ranks share one loopback, so the ``tbf`` rate is 
 ranks each sending at once, each gets about half. It is a shared medium of the given
 rate, which is harsher than two full-duplex NICs of that rate. The token bucket holds 1 ms of
 the rate's bytes (at least 4 KB) and the queue before it is deep, so that a message takes its
-time at the rate whether the link was idle before or not, and no packet is dropped
-(:mod:`experiments.netem_tbf`); the loopback carries Ethernet's MTU so that such a bucket
-passes its packets.
+time at the rate whether the link was idle before or not, and no packet is dropped; a sender's
+queued bytes and offload packets are kept to a few ms of the rate (:mod:`experiments.netem_tbf`);
+the loopback carries Ethernet's MTU so that such a bucket passes its packets.
 
 Full duplex (``mode="duplex"``, ``--link-mode duplex``): one namespace per rank, each with one
 interface ``gc0`` at ``10.213.0.<rank+1>/24`` whose veth peer sits on a bridge in a hub
@@ -62,7 +62,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from experiments.netem_tbf import MTU, UNSHAPED, parse_rate, tbf_args
+from experiments.netem_tbf import MTU, UNSHAPED, default_queued, limit_queued, parse_rate, shape_device
 
 PREFIX = "gcnetem"
 COMMAND_TIMEOUT_S = 20.0
@@ -227,19 +227,15 @@ def warn_unshaped(requested: str, reason: str) -> None:
 def _create(name: str, rate: str) -> None:
     _run(["ip", "netns", "add", name])
     _run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "mtu", str(MTU), "up"])
-    _run(_tbf(name, "lo", rate))
-
-
-def _tbf(namespace: str, device: str, rate: str, verb: str = "add") -> List[str]:
-    """The command that puts (``verb``: ``add`` or ``replace``) the ``rate``'s bucket on ``device`` in ``namespace``."""
-    return ["ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", device, "root", *tbf_args(rate)]
+    shape_device(name, "lo", rate)
+    limit_queued(name, rate, default_queued(name))
 
 
 def _create_duplex(hub: str, ranks: Sequence[str], rate: str) -> None:
     """A star of full-duplex links: rank ``r``'s namespace has interface :data:`DUPLEX_IFNAME`
     at ``10.213.0.<r+1>/24``, the other end of its veth pair sits on a bridge in ``hub``.
-    Both ends' egress is shaped at ``rate``, so each direction of each rank's link has the
-    full rate (rank -> hub on the rank's end, hub -> rank on the hub's end). Every link is
+    Both ends' egress is shaped at ``rate`` (:mod:`experiments.netem_tbf`), so each direction of
+    each rank's link has the full rate (rank -> hub on the rank's end, hub -> rank on the hub's end). Every link is
     created inside the namespaces (``ip -n``), never in the host's."""
     _run(["ip", "netns", "add", hub])
     _run(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"])
@@ -252,8 +248,9 @@ def _create_duplex(hub: str, ranks: Sequence[str], rate: str) -> None:
         _run(["ip", "-n", hub, "link", "set", f"h{rank}", "mtu", str(MTU), "master", "br0", "up"])
         _run(["ip", "-n", name, "addr", "add", f"{Link.address(rank)}/24", "dev", DUPLEX_IFNAME])
         _run(["ip", "-n", name, "link", "set", DUPLEX_IFNAME, "mtu", str(MTU), "up"])
-        _run(_tbf(name, DUPLEX_IFNAME, rate))
-        _run(_tbf(hub, f"h{rank}", rate))
+        shape_device(name, DUPLEX_IFNAME, rate)
+        shape_device(hub, f"h{rank}", rate)
+        limit_queued(name, rate, default_queued(hub))
 
 
 # Namespaces this process created and has not deleted yet: removed at exit even when a

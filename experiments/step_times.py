@@ -35,7 +35,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from typing import Dict, List
 
@@ -58,18 +57,11 @@ MAX_DECIDING_STEPS = 80
 
 def _set_link(rate: str) -> None:
     """Every end of the duplex link to ``rate`` (``unshaped``: no qdisc), from rank 0's process."""
-    from experiments import netem
+    from experiments import netem, netem_tbf
 
     names = os.environ["GRADCOMP_NETNS_RANKS"].split(",")
     hub = names[0].rsplit("-r", 1)[0] + "-hub"
-    ends = [(name, netem.DUPLEX_IFNAME) for name in names] + [(hub, f"h{r}") for r in range(len(names))]
-    for namespace, device in ends:
-        if rate == "unshaped":
-            subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root"],
-                           capture_output=True, timeout=20)
-        else:
-            subprocess.run(netem._tbf(namespace, device, rate, "replace"), check=True, capture_output=True,
-                           timeout=20)
+    netem_tbf.set_rate(names, hub, netem.DUPLEX_IFNAME, None if rate == "unshaped" else rate)
 
 
 def _agree_on_link(rate: str, rank: int) -> None:

@@ -305,6 +305,12 @@ def test_the_bucket_holds_a_millisecond_of_the_rate():
     assert netem_tbf.tbf_args("100mbit") == ["tbf", "rate", "100mbit", "burst", "12500", "limit", netem_tbf.LIMIT]
     with pytest.raises(ValueError):
         netem_tbf.rate_bytes_per_s("1gb")
+    # A sender's offload packets and queued bytes: 4 ms of the rate, whole packets, within the defaults.
+    assert netem_tbf.stack_settings("10mbit", 4 << 20) == (4, netem_tbf.MIN_QUEUED)
+    assert netem_tbf.stack_settings("100mbit", 4 << 20) == (34, 50_000)
+    assert netem_tbf.stack_settings("1gbit", 4 << 20) == (334, 500_000)
+    assert netem_tbf.stack_settings("10gbit", 1 << 20) == (3334, 1 << 20)
+    assert netem_tbf.stack_settings("1tbit", 4 << 20) == (netem_tbf.GSO_MAX_SEGS, 4 << 20)
 
 
 def test_unshaped_link_runs_commands_unchanged():

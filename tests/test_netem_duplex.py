@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from experiments import netem, netem_probe
+from experiments import netem, netem_probe, netem_tbf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -26,6 +26,30 @@ def ours(prefix):
 def qdisc(namespace, device):
     return subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "show", "dev", device],
                           capture_output=True, text=True, timeout=20, check=True).stdout
+
+
+def stack(namespace, device):
+    """``(gso_max_segs of device, tcp_limit_output_bytes)`` in ``namespace``."""
+    shown = subprocess.run(["ip", "-d", "-n", namespace, "link", "show", device], capture_output=True, text=True,
+                           timeout=20, check=True).stdout
+    return int(shown.split("gso_max_segs ")[1].split()[0]), netem_tbf.default_queued(namespace)
+
+
+def test_a_link_changes_rate_on_every_end_and_back():
+    # The step-time benchmark changes a duplex link's rate between rounds: every end's bucket, offload packets
+    # and the senders' queued bytes follow, and unshaped restores the kernel's defaults.
+    with netem.link("100mbit", mode="duplex", ranks=2) as link:
+        default = netem_tbf.default_queued(link.hub)
+        ends = [(name, netem.DUPLEX_IFNAME) for name in link.rank_namespaces] + [(link.hub, "h0"), (link.hub, "h1")]
+        for rate, shown, segments, queued in [("100mbit", "100Mbit", 34, 50_000), (None, None, 65535, default),
+                                              ("10mbit", "10Mbit", 4, netem_tbf.MIN_QUEUED)]:
+            if rate != "100mbit":
+                netem_tbf.set_rate(link.rank_namespaces, link.hub, netem.DUPLEX_IFNAME, rate)
+            for namespace, device in ends:
+                assert (shown is None) == ("tbf" not in qdisc(namespace, device)), (rate, namespace, device)
+                assert shown is None or shown in qdisc(namespace, device)
+                assert stack(namespace, device)[0] == segments, (rate, namespace, device)
+            assert [stack(n, netem.DUPLEX_IFNAME)[1] for n in link.rank_namespaces] == [queued, queued], rate
 
 
 @pytest.mark.slow  # a 2-rank Gloo job across the shaped link; the namespace tests below stay quick
