@@ -63,9 +63,9 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from experiments.netem_tbf import MTU, UNSHAPED, default_queued, limit_queued, parse_rate, shape_device
+from experiments.netem_tbf import run as _run
 
 PREFIX = "gcnetem"
-COMMAND_TIMEOUT_S = 20.0
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+(-(hub|r\d+))?$")
 LINK_MODES = ("shared", "duplex")
 #: The private range of the duplex topology; it exists only inside the namespaces made here.
@@ -147,10 +147,6 @@ class Link:
             "link_fallback": self.fallback,
             "link_fallback_reason": self.fallback_reason,
         }
-
-
-def _run(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=check)
 
 
 def shaping_unavailable_reason() -> Optional[str]:

@@ -35,6 +35,8 @@ __all__ = ["parse_rate", "rate_bytes_per_s", "burst_bytes", "tbf_args", "stack_s
            "BURST_S", "MIN_BURST", "LIMIT", "QUEUED_S", "GSO_MAX_SEGS"]
 
 UNSHAPED = "unshaped"
+#: The longest an ``ip`` or ``tc`` command may take.
+COMMAND_TIMEOUT_S = 20.0
 #: The MTU of every shaped device (the duplex link's veth ends and the shared link's loopback).
 MTU = 1500
 #: The most of the rate's time a message sent after a pause gains from the bucket's tokens.
@@ -96,32 +98,33 @@ def stack_settings(rate: str, default_queued: int) -> Tuple[int, int]:
     return segments, min(default_queued, max(MIN_QUEUED, round(per_s * QUEUED_S)))
 
 
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=20, check=check)
+def run(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
+    """``argv`` (an ``ip`` or ``tc`` command), its output captured, within ``timeout`` seconds."""
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=check)
 
 
 def shape_device(namespace: str, device: str, rate: str, verb: str = "add") -> None:
     """``rate``'s bucket on ``device`` of ``namespace`` (``verb``: ``add`` or ``replace``), its offload packets
     sized to the rate."""
-    _run(["ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", device, "root", *tbf_args(rate)])
-    _run(["ip", "-n", namespace, "link", "set", device, "gso_max_segs", str(stack_settings(rate, 0)[0])])
+    run(["ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", device, "root", *tbf_args(rate)])
+    run(["ip", "-n", namespace, "link", "set", device, "gso_max_segs", str(stack_settings(rate, 0)[0])])
 
 
 def unshape_device(namespace: str, device: str) -> None:
     """``device`` of ``namespace`` without a bucket (none to remove is fine), its offload packets the default."""
-    _run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root"], check=False)
-    _run(["ip", "-n", namespace, "link", "set", device, "gso_max_segs", str(GSO_MAX_SEGS)])
+    run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root"], check=False)
+    run(["ip", "-n", namespace, "link", "set", device, "gso_max_segs", str(GSO_MAX_SEGS)])
 
 
 def default_queued(namespace: str) -> int:
     """``namespace``'s ``net.ipv4.tcp_limit_output_bytes`` (the kernel's default in one this module never set)."""
-    return int(_run(["ip", "netns", "exec", namespace, "sysctl", "-n", "net.ipv4.tcp_limit_output_bytes"]).stdout)
+    return int(run(["ip", "netns", "exec", namespace, "sysctl", "-n", "net.ipv4.tcp_limit_output_bytes"]).stdout)
 
 
 def limit_queued(namespace: str, rate: Optional[str], default: int) -> None:
     """What a socket of ``namespace`` may queue: :func:`stack_settings`'s for ``rate``, ``default`` for ``None``."""
     value = default if rate is None else stack_settings(rate, default)[1]
-    _run(["ip", "netns", "exec", namespace, "sysctl", "-q", "-w", f"net.ipv4.tcp_limit_output_bytes={value}"])
+    run(["ip", "netns", "exec", namespace, "sysctl", "-q", "-w", f"net.ipv4.tcp_limit_output_bytes={value}"])
 
 
 def set_rate(rank_namespaces: Sequence[str], hub: str, device: str, rate: Optional[str]) -> None:

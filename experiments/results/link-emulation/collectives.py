@@ -1,6 +1,8 @@
 """Gloo's collectives between two ranks over an emulated duplex link, against their time at the rate.
 
-    ../shared/tools/heavy python experiments/results/link-emulation/collectives.py [--before] RATE...
+    ../shared/tools/heavy env PYTHONPATH=. python experiments/results/link-emulation/collectives.py [--before] RATE...
+
+(from the repository root).
 
 Per rate: a float32 allreduce of 1.75 MB (charlm-small's gradient) and uint8 allgathers of 164,000 and
 50,000 bytes (about its 2-bit and top-k payloads), each started 0.1 s after a barrier, as a step's exchange
@@ -9,14 +11,11 @@ follows its compute; six repeats, the first dropped; rank 0's milliseconds. ``--
 packets and queued bytes). Informal: run under ``heavy``, not ``quiet``.
 """
 import argparse
-import os
 import statistics
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, ROOT)
 COLLECTIVES = (("allreduce", 1_750_000), ("allgather", 164_000), ("allgather", 50_000))
 
 
