@@ -27,6 +27,7 @@ from gradcomp.compressors.base import Compressor
 from gradcomp.engine import Engine, Transport
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.exchanges import DEFAULT as DEFAULT_EXCHANGE
+from gradcomp.hooks import direct
 from gradcomp.settings import DEFAULT_MIN_NUMEL
 from gradcomp.setup import prepare, speaks_to_caller
 
@@ -76,7 +77,10 @@ class TorchDistributedTransport(Transport):
 
     def allgather(self, buffer: torch.Tensor, name: str) -> torch.futures.Future:
         """Start an allgather of the 1-D uint8 ``buffer`` (the same size on every rank); the future's
-        value is ``[gathered]``, uint8 ``[world_size * buffer.numel()]``."""
+        value is ``[gathered]``, uint8 ``[world_size * buffer.numel()]``. On Gloo every receive is posted
+        before any send (:mod:`gradcomp.hooks.direct`: a late rank's own payload no longer holds up its receive)."""
+        if direct.applies(self._group, self.world_size, buffer):
+            return direct.gather(buffer, self._group, self.rank, self.world_size, name)
         gathered = torch.empty(self.world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
         # Aliases held until Gloo's thread lets go of them, so it never needs the GIL at exit (see inflight).
         sent, received = inflight.hold(buffer, gathered)

@@ -154,17 +154,21 @@ def count_collective_bytes(rank, world_size, steps):
     import gradcomp.hooks.ddp as ddp_hook
 
     handed = []
-    real_gather, real_reduce = ddp_hook._all_gather_flat, dist.all_reduce
+    real_gather, real_reduce, real_send = ddp_hook._all_gather_flat, dist.all_reduce, dist.isend
 
     def gather(output, input, *args, **kwargs):
         handed[-1] += input.numel() * input.element_size()
         return real_gather(output, input, *args, **kwargs)
 
+    def send(tensor, *args, **kwargs):  # the allgather over Gloo: one send to the one peer of 2 ranks
+        handed[-1] += tensor.numel() * tensor.element_size()
+        return real_send(tensor, *args, **kwargs)
+
     def reduce(tensor, *args, **kwargs):
         handed[-1] += tensor.numel() * tensor.element_size()
         return real_reduce(tensor, *args, **kwargs)
 
-    ddp_hook._all_gather_flat, dist.all_reduce = gather, reduce
+    ddp_hook._all_gather_flat, dist.all_reduce, dist.isend = gather, reduce, send
     try:
         model = make_model("mlp")
         ddp = DDP(model, bucket_cap_mb=0.01)
@@ -182,7 +186,7 @@ def count_collective_bytes(rank, world_size, steps):
         return {"handed": handed, "reported": reported, "total": state.stats()["total"]["bytes_sent"],
                 "buckets": len(stats["last_step"]["groups"])}
     finally:
-        ddp_hook._all_gather_flat, dist.all_reduce = real_gather, real_reduce
+        ddp_hook._all_gather_flat, dist.all_reduce, dist.isend = real_gather, real_reduce, real_send
 
 
 def _spy_on_holds_and_collectives(names):
@@ -228,7 +232,8 @@ def transport_holds(rank, world_size):
     handed)}``, and whether everything was let go of at the end. The collectives are real."""
     from gradcomp import inflight
 
-    names = [(dist, "all_reduce"), (dist, "all_to_all_single"), (dist, "all_gather"), (gc_ddp, "_all_gather_flat")]
+    names = [(dist, "all_reduce"), (dist, "all_to_all_single"), (dist, "all_gather"), (gc_ddp, "_all_gather_flat"),
+             (dist, "isend"), (dist, "irecv")]
     held, handed, restore = _spy_on_holds_and_collectives(names)
     try:
         transport = gc_ddp.TorchDistributedTransport()
@@ -269,3 +274,26 @@ def gathers_hold(rank, world_size):
                 "released": inflight.wait_until_released(timeout_s=10.0)}
     finally:
         restore()
+
+
+def direct_allgathers(rank, world_size):
+    """Gather payloads of every rank through the DDP transport on Gloo (receives posted first,
+    ``gradcomp.hooks.direct``), two groups in flight at once: what each returned, as lists."""
+    transport = gc_ddp.TorchDistributedTransport()
+    first = transport.allgather(torch.arange(5, dtype=torch.uint8) + 10 * rank, "0")
+    second = transport.allgather(torch.full((3,), 100 + rank, dtype=torch.uint8), "1")
+    return [second.wait()[0].tolist(), first.wait()[0].tolist()]
+
+
+def direct_allgather_with_a_departed_peer(rank, world_size):
+    """Rank 1 leaves after a barrier without gathering (its process ends, its sockets close): what the
+    transport's future raised on rank 0."""
+    transport = gc_ddp.TorchDistributedTransport()
+    dist.barrier()
+    if rank == 1:
+        return None
+    try:
+        transport.allgather(torch.zeros(8, dtype=torch.uint8), "0").wait()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"

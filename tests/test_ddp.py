@@ -156,6 +156,22 @@ def test_error_feedback_keeps_topk_within_5_percent_of_dense_and_beats_no_feedba
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_gloo_allgather_gives_every_rank_every_payload_in_rank_order(tmp_path, world_size):
+    # Receives posted before sends (gradcomp.hooks.direct), two groups in flight, waited in the other order.
+    for result in multiprocess.spawn(workers.direct_allgathers, world_size, tmp_path):
+        assert result == [[100 + r for r in range(world_size) for _ in range(3)],
+                          [10 * r + i for r in range(world_size) for i in range(5)]]
+
+
+@pytest.mark.multiprocess
+def test_a_peer_that_leaves_fails_the_gloo_allgather_instead_of_hanging(tmp_path):
+    # The completion thread hands the works' error to the future the engine waits on.
+    error = multiprocess.spawn(workers.direct_allgather_with_a_departed_peer, 2, tmp_path, timeout_s=120)[0]
+    assert error is not None and error != "no error" and "by peer" in error, error  # closed or reset
+
+
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_stats_report_exactly_the_bytes_handed_to_the_collectives(tmp_path):
     results = multiprocess.spawn(workers.count_collective_bytes, 2, str(tmp_path), 4)

@@ -91,6 +91,34 @@ def test_duplex_link_shapes_each_direction_and_carries_a_gloo_job():
     assert ours(prefix) == []
 
 
+@pytest.mark.slow  # two 2-rank Gloo jobs across a 10 Mbit/s link
+def test_a_late_rank_receives_its_peers_payload_at_the_rate():
+    # Gloo announces a receive on the stream that carries the payloads, and its allgather sends first: a rank
+    # 30 ms late wrote its own 121 KB ahead of its announcement, and its peer's payload waited behind them (148 ms
+    # against 101 at the rate in every repeat). gradcomp's transport posts the receives first.
+    late = {}
+    with netem.link("10mbit", mode="duplex", ranks=2) as link:
+        env = dict(link.env(), PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        worker = os.path.join(HERE, "netem_late_worker.py")
+        for port, kind in ((29518, "gloo"), (29519, "gradcomp")):
+            ranks = [subprocess.Popen(link.rank_command(r, [sys.executable, worker, str(r), str(port), kind]),
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for r in range(2)]
+            try:
+                outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+            finally:
+                for rank in ranks:
+                    if rank.poll() is None:
+                        rank.kill()
+                        rank.wait(10)
+            assert [rank.returncode for rank in ranks] == [0, 0], outputs
+            late[kind] = float(outputs[1].split("late ")[1].split()[0]) / 1e3
+    at_rate = 121_000 / 1.25e6 * 1514 / 1448  # TCP/IP's headers: 66 bytes of each 1,514 on the wire
+    assert late["gradcomp"] < 1.12 * at_rate, (late, at_rate)
+    assert late["gloo"] > 1.25 * at_rate, (late, at_rate)  # the control: the test sees the wait it guards
+
+
 def test_a_message_after_a_pause_takes_its_time_at_the_rate():
     # A method that sends a few KB between the steps of others must not cross the link faster than the rate
     # allows: the bucket's tokens saved while idle cut at most its 4 KB (3.3 ms at 10 Mbit/s) from a message

@@ -1,0 +1,126 @@
+"""Gloo's allgather with every receive posted before any send: a late rank no longer delays its own receive.
+
+Why. A Gloo TCP pair sends a message only after the receiver has announced a buffer for it, and the
+announcement travels on the same stream as the payloads. Gloo's allgather sends first, then receives.
+A rank that starts it after its peer finds the peer already announced, writes its own payload into the
+socket (as far as the socket's send buffer takes it), and only then its announcement: the peer's payload
+waits behind the late rank's own. Over an emulated 10 Mbit/s link, a rank 30 ms late received a
+121,000-byte payload 48 ms after its time at the rate, a 50,000-byte one 19 ms after, in every repeat;
+with the receives posted first both ranks received at the rate
+(``experiments/results/link-emulation/late_rank.py``). In a training step the ranks start their exchanges
+tens of ms apart (their backward passes end apart), so on a slow link every compressed step paid it.
+
+:func:`gather` posts the receives from every peer, then the sends to every peer, as point-to-point works.
+Gloo's point-to-point works have no future, so one daemon thread of this module (:class:`Completions`)
+waits for them in the order they were started and completes the future handed back; the future's
+callbacks (the engine's finish) run on that thread, as they ran on Gloo's. Every rank sends its payload
+to each of its ``P - 1`` peers: the bytes each rank sends and receives are the ring's, ``(P - 1) x n``,
+but all at once on ``P - 1`` streams, so beyond :data:`MAX_RANKS` ranks the ring (Gloo's own allgather)
+keeps its place.
+"""
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import zlib
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import inflight
+
+__all__ = ["MAX_RANKS", "Completions", "applies", "gather", "tag_of"]
+
+#: The most ranks the direct form serves; beyond, each rank's ``P - 1`` simultaneous streams are left to
+#: the ring. Measured here at 2 and 3 ranks.
+MAX_RANKS = 8
+#: Point-to-point tags of gradcomp's exchanges: this base plus 16 bits of the group's name, the same on
+#: every rank (a user's own ``isend``/``irecv`` use small tags, 0 by default).
+TAG_BASE = 0x6763 << 16
+#: How long the interpreter's exit waits for the completion thread to finish what it was handed.
+STOP_WAIT_S = 5.0
+
+
+class Completions:
+    """One daemon thread that waits for point-to-point works in the order they were started and then
+    completes their future: with ``value``, or with the first work's error (a failed peer)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def add(self, works: List[object], future: torch.futures.Future, value: object) -> None:
+        """Complete ``future`` with ``value`` once every work of ``works`` has finished."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gradcomp-direct", daemon=True)
+                self._thread.start()
+                atexit.register(self.stop)
+        self._queue.put((works, future, value))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            _complete(*item)
+            # The works, the tensors they own and the callbacks went in _complete, on this Python thread.
+            del item
+
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
+        """Let the thread finish what it was handed, then end it (at exit, before finalization)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout_s)
+
+
+def _complete(works: List[object], future: torch.futures.Future, value: object) -> None:
+    """Wait for every work of ``works`` in order, then complete ``future`` (with the first error, if any:
+    the engine's wait re-raises it on the training thread); on return nothing here refers to them."""
+    error = None
+    for work in works:
+        try:
+            work.wait()
+        except Exception as failure:  # a failed peer: the other works are still waited for before they go
+            error = error or failure
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+_COMPLETIONS = Completions()
+
+
+def applies(group, world_size: int, buffer: torch.Tensor) -> bool:
+    """Whether :func:`gather` serves ``buffer`` on ``group``: Gloo, a CPU tensor, 2 to :data:`MAX_RANKS` ranks."""
+    return 2 <= world_size <= MAX_RANKS and buffer.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
+def tag_of(name: str) -> int:
+    """The point-to-point tag of the group ``name``: the same on every rank."""
+    return TAG_BASE + (zlib.crc32(name.encode()) & 0xFFFF)
+
+
+def gather(buffer: torch.Tensor, group, rank: int, world_size: int, name: str) -> torch.futures.Future:
+    """Start gathering the 1-D uint8 ``buffer`` (the same size on every rank) of every rank of ``group``;
+    the future's value is ``[gathered]``, uint8 ``[world_size * n]`` with rank ``r``'s bytes at ``r * n``.
+    Receives from every peer are posted before any send. ``buffer`` must not change until the future
+    completes; a peer that sends a different size fails the future."""
+    n = buffer.numel()
+    gathered = torch.empty(world_size * n, dtype=torch.uint8)
+    gathered[rank * n:(rank + 1) * n].copy_(buffer)
+    peers = [(rank + i) % world_size for i in range(1, world_size)]
+    # Aliases held until the works let go of them, as for every collective (see gradcomp.inflight).
+    sent, *slots = inflight.hold(buffer, *(gathered[peer * n:(peer + 1) * n] for peer in peers))
+    tag = tag_of(name)
+    works = [dist.irecv(slot, group=group, group_src=peer, tag=tag) for peer, slot in zip(peers, slots)]
+    works += [dist.isend(sent, group=group, group_dst=peer, tag=tag) for peer in peers]
+    future: torch.futures.Future = torch.futures.Future()
+    _COMPLETIONS.add(works, future, [gathered])
+    return future
