@@ -13,6 +13,10 @@ of each method, then timed steps of every method in turn (one step of each, the 
 step): at least ``--steps``, and on a link whose step is short as many as fill ``--round-seconds``
 (counted from the first round's settle steps, the same on every rank and in every round): 6 steps of
 a 4 ms step spread the round medians of the study's MLP 13-64 %.
+Every timed step starts from a barrier (outside the clock): without it a step inherited the ranks' skew at
+the end of the step before it, another method's (up to 350 ms at 10 Mbit/s), and Gloo's allgather makes a late
+rank's receive later still (``gradcomp.hooks.direct``): the 2-bit recipe's step at 10 Mbit/s read 256-327 ms
+without the barrier and 216-224 ms with it, top-k's 86-100 and 82-86 ms (charlm-small, AdamW; informal).
 A method's time on a link is the median over rounds of the per-round median step time (the slower
 rank's, step by step); its ``spread`` is the range of those round medians over their median. The
 machine's own speed drifts between rounds (on 2 shared cores the compute floor alone spread 20-33 %),
@@ -111,11 +115,16 @@ def _policy_summary(replica) -> dict:
 
 
 def _step(replica, workload, loop, rank: int, step: int) -> float:
-    """One timed optimizer step of a replica; seconds (its batch drawn before the clock starts)."""
+    """One timed optimizer step of a replica; seconds (its batch drawn and the ranks met before the clock
+    starts). The barrier keeps a step from inheriting the ranks' skew at the end of the step before it, another
+    method's: a rank that starts its exchange late waits less, and the other waits for it inside its step."""
+    import torch.distributed as dist
+
     from experiments import loop as loops
 
     ddp, optimizer, scheduler, _ = replica
     batches = loops.micro_batches(workload, loop, rank, step, workload.default_batch_size)
+    dist.barrier()
     return loops.timed_optimizer_step(ddp, workload, loop, optimizer, scheduler, batches, step)[1]
 
 
