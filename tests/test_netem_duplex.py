@@ -35,6 +35,22 @@ def stack(namespace, device):
     return int(shown.split("gso_max_segs ")[1].split()[0]), netem_tbf.default_queued(namespace)
 
 
+def run_ranks(commands, env):
+    """Start both ranks' ``commands``; wait for them (killing any still running after 120 s); assert both
+    exited with 0; return their outputs (stdout and stderr)."""
+    ranks = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for command in commands]
+    try:
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait(10)
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    return outputs
+
+
 def test_a_link_changes_rate_on_every_end_and_back():
     # The step-time benchmark changes a duplex link's rate between rounds: every end's bucket, offload packets
     # and the senders' queued bytes follow, and unshaped restores the kernel's defaults.
@@ -75,18 +91,8 @@ def test_duplex_link_shapes_each_direction_and_carries_a_gloo_job():
         env = dict(link.env(), PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
         assert env["GLOO_SOCKET_IFNAME"] == netem.DUPLEX_IFNAME and env["MASTER_ADDR"] == netem.Link.address(0)
         worker = os.path.join(HERE, "netem_workers.py")
-        ranks = [subprocess.Popen(link.rank_command(0, [sys.executable, worker, "0", "2", "29517"]), env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-                 subprocess.Popen([sys.executable, worker, "1", "2", "29517", "join"], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-        try:
-            outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
-        finally:
-            for rank in ranks:
-                if rank.poll() is None:
-                    rank.kill()
-                    rank.wait(10)
-        assert [rank.returncode for rank in ranks] == [0, 0], outputs
+        outputs = run_ranks([link.rank_command(0, [sys.executable, worker, "0", "2", "29517"]),
+                             [sys.executable, worker, "1", "2", "29517", "join"]], env)
         assert f"ok 0 {netem.DUPLEX_IFNAME}" in outputs[0] and f"ok 1 {netem.DUPLEX_IFNAME}" in outputs[1], outputs
     assert ours(prefix) == []
 
@@ -102,17 +108,8 @@ def test_a_late_rank_receives_its_peers_payload_at_the_rate():
                    OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         worker = os.path.join(HERE, "netem_late_worker.py")
         for port, kind in ((29518, "gloo"), (29519, "gradcomp")):
-            ranks = [subprocess.Popen(link.rank_command(r, [sys.executable, worker, str(r), str(port), kind]),
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                     for r in range(2)]
-            try:
-                outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
-            finally:
-                for rank in ranks:
-                    if rank.poll() is None:
-                        rank.kill()
-                        rank.wait(10)
-            assert [rank.returncode for rank in ranks] == [0, 0], outputs
+            outputs = run_ranks([link.rank_command(r, [sys.executable, worker, str(r), str(port), kind])
+                                 for r in range(2)], env)
             late[kind] = float(outputs[1].split("late ")[1].split()[0]) / 1e3
     at_rate = 121_000 / 1.25e6 * 1514 / 1448  # TCP/IP's headers: 66 bytes of each 1,514 on the wire
     assert late["gradcomp"] < 1.12 * at_rate, (late, at_rate)
