@@ -12,7 +12,6 @@ packets and queued bytes). Informal: run under ``heavy``, not ``quiet``.
 """
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 
@@ -63,7 +62,7 @@ def main() -> int:
         return 0
     if not args.rates:
         parser.error("name at least one rate (10mbit, 100mbit, 1gbit, ...)")
-    from experiments import netem, netem_tbf
+    from experiments import launch, netem, netem_tbf
 
     if args.before:
         shape_as_before()
@@ -74,10 +73,9 @@ def main() -> int:
         at_rate = ", ".join(f"{kind} {n / per_s * 1514 / 1448 * 1e3:.1f} ms" for kind, n in COLLECTIVES)
         print(f"{rate} ({'before' if args.before else 'now'}); at the rate: {at_rate}", flush=True)
         with netem.link(rate, mode="duplex", ranks=2) as link:
-            env = dict(link.env(), MASTER_PORT="29561", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-            ranks = [subprocess.Popen(link.rank_command(r, [sys.executable, __file__, "--rank", str(r)]), env=env)
-                     for r in range(2)]
-            codes = [rank.wait(600) for rank in ranks]
+            env = dict(link.env(), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            codes, _ = launch.run_commands([link.rank_command(r, [sys.executable, __file__, "--rank", str(r)])
+                                            for r in range(2)], timeout=600, env=env)
         if codes != [0, 0]:
             print(f"ranks exited with {codes}", file=sys.stderr)
             return 1

@@ -13,7 +13,6 @@ Informal: run under ``heavy``, not ``quiet``.
 """
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 
@@ -65,21 +64,21 @@ def main() -> int:
         return 0
     if not args.rates:
         parser.error("name at least one rate (10mbit, 100mbit, 1gbit, ...)")
-    from experiments import netem, netem_tbf
+    from experiments import launch, netem, netem_tbf
 
     for rate in args.rates:
         per_s = netem_tbf.rate_bytes_per_s(rate)
         at_rate = ", ".join(f"{n:,} B {n / per_s * 1514 / 1448 * 1e3:.1f} ms" for n in PAYLOADS)
         print(f"{rate}; at the rate: {at_rate}", flush=True)
         with netem.link(rate, mode="duplex", ranks=2) as link:
-            env = dict(link.env(), MASTER_PORT="29562", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            env = dict(link.env(), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
             for nbytes in PAYLOADS:
                 for lag in LAGS:
                     for kind in KINDS:
                         argv = [sys.executable, __file__, "--rank"]
-                        ranks = [subprocess.Popen(link.rank_command(r, argv + [str(r), str(lag), str(nbytes), kind]),
-                                                  env=env) for r in range(2)]
-                        codes = [rank.wait(600) for rank in ranks]
+                        codes, _ = launch.run_commands(
+                            [link.rank_command(r, argv + [str(r), str(lag), str(nbytes), kind]) for r in range(2)],
+                            timeout=600, env=env)
                         if codes != [0, 0]:
                             print(f"ranks exited with {codes}", file=sys.stderr)
                             return 1

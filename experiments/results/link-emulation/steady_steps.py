@@ -15,7 +15,6 @@ step; and how late the later rank started its steps, the median over the block. 
 """
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 
@@ -93,16 +92,14 @@ def main() -> int:
     if args.rank is not None:
         rank_main(args.rank, args)
         return 0
-    from experiments import netem
+    from experiments import launch, netem
 
     print(f"{args.workload}, {args.optimizer}, {args.rate}: {args.steps} consecutive steps per block", flush=True)
     with netem.link("10gbit", mode="duplex", ranks=2) as link:  # the ranks set the rate (step_times' way)
-        env = dict(link.env(), MASTER_PORT="29564", OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-                   PYTHONWARNINGS="ignore")
+        env = dict(link.env(), OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         argv = [sys.executable, __file__, args.rate, "--workload", args.workload, "--optimizer", args.optimizer,
                 "--steps", str(args.steps), "--rank"]
-        ranks = [subprocess.Popen(link.rank_command(r, argv + [str(r)]), env=env) for r in range(2)]
-        codes = [rank.wait(1800) for rank in ranks]
+        codes, _ = launch.run_commands([link.rank_command(r, argv + [str(r)]) for r in range(2)], timeout=1800, env=env)
     if codes != [0, 0]:
         print(f"ranks exited with {codes}", file=sys.stderr)
         return 1
