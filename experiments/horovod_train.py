@@ -205,26 +205,15 @@ class HorovodRun(Run):
 
     def _distributed_optimizer(self, optimizer):
         """``(the method's distributed optimizer, bytes per step of Horovod's own path or None, its name)``."""
-        import horovod.torch as hvd
-
         from gradcomp.compressors import from_spec
         from gradcomp.hooks import horovod as gc_hvd
 
         args, named = self.args, list(self.net.named_parameters())
-        if args.compressor in ("dense", "fp16"):
-            compression = gc_hvd.Compression.fp16 if args.compressor == "fp16" else hvd.Compression.none
-            wire = 2 if args.compressor == "fp16" else None
-            stock = sum(p.numel() * (wire or p.element_size()) for p in self.net.parameters() if p.requires_grad)
-            return (hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=compression), stock,
-                    args.compressor)
-        if args.suite_spec is not None:  # the study's method with the one-call recipe, as on DDP
-            from experiments.methods import study_spec
-
+        if args.compressor in ("dense", "fp16") or args.suite_spec is not None:
             planned = args.planned_steps or args.steps
-            spec_text = study_spec(args.compressor, self.net, optimizer, args.code_steps or planned)
-            wrapped = gc_hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=from_spec(spec_text),
-                                                  total_steps=planned, scheduler=self.scheduler)
-            return wrapped, None, args.compressor
+            wrapped, stock = study_optimizer(args.compressor, self.net, optimizer, self.scheduler, planned,
+                                             args.code_steps or planned)
+            return wrapped, stock, args.compressor
         if args.compressor == "topk":
             compressor = from_spec(f"topk:{args.density!r}")
         elif args.compressor == "twobit":
@@ -306,15 +295,39 @@ class HorovodRun(Run):
                    "dense_bytes": self.dense_bytes, **timing_summary(train_time, step_times, losses)})
 
 
-def horovodrun_command(argv, world_size: int = 2) -> list:
-    """``horovodrun`` (beside this Python where installed there) of ``python -m experiments.horovod_train``
+def study_optimizer(method: str, net, optimizer, scheduler, planned: int, code_steps: int, prefix: str = ""):
+    """``(distributed optimizer, bytes a rank hands Horovod per step or None)`` of a study's ``method`` over ``net``'s
+    parameters, named ``prefix + name`` (unique names let several models exchange in one process):
+    ``dense``/``fp16`` Horovod's optimizer (fp16 through gradcomp's Horovod compressor; its bytes fixed),
+    ``topk``/``twobit`` gradcomp's with the one-call recipe planned for ``planned`` steps under
+    ``scheduler`` (the 2-bit code of a ``code_steps`` run). Wraps ``optimizer``, whose ``param_groups``
+    the wrapper shares."""
+    import horovod.torch as hvd
+
+    from experiments.methods import study_spec
+    from gradcomp.compressors import from_spec
+    from gradcomp.hooks import horovod as gc_hvd
+
+    named = [(prefix + name, p) for name, p in net.named_parameters()]
+    if method in ("dense", "fp16"):
+        compression = gc_hvd.Compression.fp16 if method == "fp16" else hvd.Compression.none
+        wire = 2 if method == "fp16" else None
+        stock = sum(p.numel() * (wire or p.element_size()) for p in net.parameters() if p.requires_grad)
+        return hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=compression), stock
+    spec_text = study_spec(method, net, optimizer, code_steps)
+    return gc_hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=from_spec(spec_text),
+                                       total_steps=planned, scheduler=scheduler), None
+
+
+def horovodrun_command(argv, world_size: int = 2, module: str = "experiments.horovod_train") -> list:
+    """``horovodrun`` (beside this Python where installed there) of ``python -m MODULE``
     with ``argv``: ``world_size`` local ranks over Gloo, one thread each (``--threads``'s default). The
     arguments go as one shell word: horovodrun would read ``--log`` after the command as its own option."""
     import shlex
 
     beside = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     launcher = beside if os.path.exists(beside) else "horovodrun"
-    inner = shlex.join([sys.executable, "-m", "experiments.horovod_train", *argv])
+    inner = shlex.join([sys.executable, "-m", module, *argv])
     return [launcher, "-np", str(world_size), "--gloo", "-H", f"localhost:{world_size}", "sh", "-c", inner]
 
 

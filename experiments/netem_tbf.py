@@ -139,3 +139,13 @@ def set_rate(rank_namespaces: Sequence[str], hub: str, device: str, rate: Option
             shape_device(namespace, name, rate, "replace")
     for namespace in rank_namespaces:
         limit_queued(namespace, rate, default)
+
+
+def set_shared_rate(namespace: str, rate: Optional[str], default: int) -> None:
+    """Change a shared link (``namespace``'s loopback) to ``rate`` (``None``: unshaped), its senders' stack
+    with it; ``default``: the kernel's own queue limit (the one for no rate)."""
+    if rate is None:
+        unshape_device(namespace, "lo")
+    else:
+        shape_device(namespace, "lo", rate, "replace")
+    limit_queued(namespace, rate, default)

@@ -128,19 +128,40 @@ def _step(replica, workload, loop, rank: int, step: int) -> float:
     return loops.timed_optimizer_step(ddp, workload, loop, optimizer, scheduler, batches, step)[1]
 
 
-def _interleaved(replicas, keys: Dict[str, tuple], counter, workload, loop, rank: int,
-                 count: int) -> Dict[str, List[float]]:
+def _interleaved(timed, keys: Dict[str, tuple], count: int) -> Dict[str, List[float]]:
     """``count`` timed steps of every method of ``keys`` (method -> replica key), one step of each in
     turn, the order rotated every step: whatever slows the machine for a while slows every method
-    alike, so step ``i`` of two methods makes a pair. Returns each method's seconds, in step order."""
+    alike, so step ``i`` of two methods makes a pair. ``timed(key)`` takes one step of a replica and
+    returns its seconds. Returns each method's seconds, in step order."""
     methods = list(keys)
     seconds: Dict[str, List[float]] = {m: [] for m in methods}
     for i in range(count):
         for j in range(len(methods)):
             key = keys[methods[(i + j) % len(methods)]]
-            seconds[key[0]].append(_step(replicas[key], workload, loop, rank, counter[key]))
-            counter[key] += 1
+            seconds[key[0]].append(timed(key))
     return seconds
+
+
+def timed_rounds(keys_on, timed, set_link, agreed, args, after_round=None) -> Dict[tuple, List[List[float]]]:
+    """``args.rounds`` rounds over ``args.links``: on each link (``set_link(rate)``, every rank), ``args.settle``
+    untimed steps of each method of ``keys_on(rate)`` (method -> replica key), then :func:`_interleaved` steps,
+    as many per method as :func:`round_steps` gives in the first round (``agreed(count)``: the ranks' largest),
+    then ``after_round(rate, keys)``. ``timed(key)``: one step of a replica, its seconds. Returns
+    ``{(method, rate): [round 0's seconds, ...]}``."""
+    times: Dict[tuple, List[List[float]]] = {}
+    per_round: Dict[str, int] = {}  # timed steps per method on each link, fixed by the first round
+    for _ in range(args.rounds):
+        for rate in args.links.split(","):
+            set_link(rate)
+            here = keys_on(rate)
+            cycle = sum(timed(key) for key in here.values() for _ in range(args.settle)) / max(args.settle, 1)
+            if rate not in per_round:
+                per_round[rate] = agreed(round_steps(cycle, args.round_seconds, args.steps))
+            for method, seconds in _interleaved(timed, here, per_round[rate]).items():
+                times.setdefault((method, rate), []).append(seconds)
+            if after_round is not None:
+                after_round(rate, here)
+    return times
 
 
 def round_steps(cycle_seconds: float, round_seconds: float, minimum: int) -> int:
@@ -188,34 +209,24 @@ def bench_rank(rank: int, world_size: int, args) -> None:
     replicas = {key: _replica(key[0], net, loop, run_steps) for key in keys}
     counter = {key: 0 for key in keys}
 
-    def steps(key, count) -> float:
-        """Untimed steps of one replica; the seconds they took."""
-        seconds = 0.0
-        for _ in range(count):
-            seconds += _step(replicas[key], workload, loop, rank, counter[key])
-            counter[key] += 1
-        return seconds
+    def timed(key) -> float:
+        """One step of a replica; its seconds."""
+        counter[key] += 1
+        return _step(replicas[key], workload, loop, rank, counter[key] - 1)
 
     for rate in [None] + links:
         _agree_on_link("unshaped" if rate is None else rate, rank)
         for key in (k for k in keys if k[1] == rate):
-            _to_final_setting(replicas[key], lambda count: steps(key, count), key[0])
-    times: Dict[tuple, List[List[float]]] = {}
+            _to_final_setting(replicas[key], lambda count: sum(timed(key) for _ in range(count)), key[0])
     chosen: Dict[str, List[dict]] = {}
-    per_round: Dict[str, int] = {}  # timed steps per method on each link, fixed by the first round
-    for _ in range(args.rounds):
-        for rate in links:
-            _agree_on_link(rate, rank)
-            here = {m: (m, rate if m in PER_LINK else None) for m in methods}
-            cycle = sum(steps(key, args.settle) for key in here.values()) / max(args.settle, 1)
-            if rate not in per_round:
-                per_round[rate] = _agreed(round_steps(cycle, args.round_seconds, args.steps))
-            for method, seconds in _interleaved(replicas, here, counter, workload, loop, rank,
-                                                per_round[rate]).items():
-                times.setdefault((method, rate), []).append(seconds)
-            for method, key in here.items():
-                if replicas[key][3] is not None and replicas[key][3].engine.policy is not None:
-                    chosen.setdefault(f"{method}|{rate}", []).append(_policy_summary(replicas[key]))
+
+    def choices(rate: str, here: Dict[str, tuple]) -> None:
+        for method, key in here.items():
+            if replicas[key][3] is not None and replicas[key][3].engine.policy is not None:
+                chosen.setdefault(f"{method}|{rate}", []).append(_policy_summary(replicas[key]))
+
+    times = timed_rounds(lambda rate: {m: (m, rate if m in PER_LINK else None) for m in methods}, timed,
+                         lambda rate: _agree_on_link(rate, rank), _agreed, args, choices)
     _write_rounds(times, chosen, rank, args.out)
     dist.barrier()
     dist.destroy_process_group()

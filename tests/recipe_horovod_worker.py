@@ -27,8 +27,7 @@ def train(kind: str, spec: str, rank: int) -> dict:
     optimizer = gc_hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                             compression=gradcomp_compressor(spec), total_steps=workers.TOTAL_STEPS,
                                             scheduler=scheduler, min_numel=workers.MIN_NUMEL,
-                                            min_compression=workers.MIN_COMPRESSION,
-                                            num_groups=1)  # one group, as DDP's one bucket
+                                            min_compression=workers.MIN_COMPRESSION)  # the default groups: DDP's
     for step in range(workers.TOTAL_STEPS):
         optimizer.zero_grad()
         x, y = workers.batch(rank, step)

@@ -478,6 +478,47 @@ def test_dropin_fails_at_construction_for_bad_backends_and_dtypes(monkeypatch):
         gc_hvd.DistributedOptimizer(worker.make_sgd(doubled), doubled.named_parameters(), gradcomp.TwoBit(0.5))
 
 
+def test_the_recipes_default_groups_are_the_buckets_ddp_exchanges(tmp_path):
+    """Without ``groups=`` the recipe under Horovod exchanges what DDP's buckets hold once DDP has seen a step
+    (recorded by a comm hook on a one-rank Gloo group): reverse order, a bucket per dtype, the first closed at
+    1 MiB and the rest at 25 MiB (one float64 layer makes a second dtype)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradcomp.hooks.horovod.parameters import ddp_buckets
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.single = torch.nn.Sequential(torch.nn.Linear(64, 2700), torch.nn.Linear(2700, 2700),
+                                              torch.nn.Linear(2700, 100))
+            self.wide = torch.nn.Sequential(torch.nn.Linear(100, 1000), torch.nn.Linear(1000, 300)).double()
+
+        def forward(self, x):
+            return self.wide(self.single(x).double())
+
+    torch.manual_seed(0)
+    model = Mixed()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp, seen = DistributedDataParallel(model), []
+
+        def record(state, bucket):
+            seen.append([id(p) for p in bucket.parameters()])
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        ddp.register_comm_hook(None, record)
+        for _ in range(2):  # the buckets are rebuilt in gradient order after the first step
+            seen.clear()
+            ddp(torch.randn(4, 64)).pow(2).mean().backward()
+    finally:
+        dist.destroy_process_group()
+    buckets = [[id(p) for p in bucket] for bucket in ddp_buckets(list(model.parameters()))]
+    assert sorted(buckets) == sorted(seen) and len(buckets) == 5  # 3 closed (1 MiB twice, 25 MiB), 2 open
+
+
 # -- the build script ----------------------------------------------------------------------
 def test_build_script_is_a_quick_no_op_when_horovod_is_installed():
     started = time.monotonic()

@@ -435,8 +435,8 @@ def test_an_early_freeze_is_warned_about():
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_ddp_and_horovod_give_the_same_result_for_the_same_settings(tmp_path):
-    """The recipe through Horovod's drop-in optimizer (one group of every parameter) and through DDP
-    (one bucket) exchange the same bytes, so they train to the same weights."""
+    """The recipe through Horovod's drop-in optimizer (its default groups: DDP's buckets, here one) and through
+    DDP exchange the same bytes, so they train to the same weights."""
     from pathlib import Path
 
     from test_horovod import HOROVOD_ERROR

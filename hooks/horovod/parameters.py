@@ -10,7 +10,10 @@ import torch
 from horovod.common.util import split_list
 from horovod.torch.mpi_ops import Average
 
-__all__ = ["names_of", "check_horovod_arguments", "Unit", "build_units", "flatten", "unflatten"]
+__all__ = ["names_of", "check_horovod_arguments", "Unit", "build_units", "ddp_buckets", "flatten", "unflatten"]
+
+#: DDP's bucket sizes (torch's defaults): the first bucket in gradient order closes at 1 MiB, the rest at 25 MiB.
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 1024 * 1024, 25 * 1024 * 1024
 
 
 def names_of(optimizer_groups, named_parameters) -> Dict[torch.nn.Parameter, str]:
@@ -92,6 +95,22 @@ def unflatten(flat: torch.Tensor, grads: List[torch.Tensor]) -> None:
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view(g.shape))
         offset += g.numel()
+
+
+def ddp_buckets(params: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """``params`` (in the model's order) cut as DDP cuts its buckets once it has seen a step: in reverse
+    order, about the order backward produces their gradients, one run per dtype, a bucket closed once it
+    holds :data:`FIRST_BUCKET_BYTES` (the first of its dtype) or :data:`BUCKET_BYTES`; the open ones last."""
+    open_buckets: Dict[torch.dtype, List[torch.Tensor]] = {}
+    limits: Dict[torch.dtype, int] = {}
+    closed = []
+    for p in reversed(params):
+        bucket = open_buckets.setdefault(p.dtype, [])
+        bucket.append(p)
+        if sum(q.numel() * q.element_size() for q in bucket) >= limits.setdefault(p.dtype, FIRST_BUCKET_BYTES):
+            closed.append(open_buckets.pop(p.dtype))
+            limits[p.dtype] = BUCKET_BYTES
+    return closed + list(open_buckets.values())
 
 
 def build_units(param_groups_of_optimizer, parameter_names, groups, process_set) -> List[Unit]:
