@@ -127,10 +127,7 @@ def time_table(rows: List[dict]) -> str:
     if spreads:
         lines.append(f"\nStep times: medians of interleaved rounds, spread between rounds {min(spreads):.0%}–"
                      f"{max(spreads):.0%}; load before the timing: {', '.join(loads) or 'not recorded'}.")
-    if paired and any(r.get("integration") == "horovod" for r in rows):
-        lines.append(f"Each method's step is dense's times its ratio to dense's launch in the same round and on the "
-                     f"same link; those ratios spread {min(paired):.1%}–{max(paired):.1%} between rounds.")
-    elif paired:
+    if paired:
         lines.append(f"Each method's step is dense's times its ratio to dense paired step by step (the steps taken in "
                      f"turn); those ratios spread {min(paired):.1%}–{max(paired):.1%} between rounds.")
     if _machine_note(rows):
