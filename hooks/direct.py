@@ -15,10 +15,17 @@ fell from 258-292 to 213-223 ms (two runs, ``steady_steps.py`` there).
 :func:`gather` posts the receives from every peer, then the sends to every peer, as point-to-point works.
 Gloo's point-to-point works have no future, so one daemon thread of this module (:class:`Completions`)
 waits for them in the order they were started and completes the future handed back; the future's
-callbacks (the engine's finish) run on that thread, as they ran on Gloo's. Every rank sends its payload
-to each of its ``P - 1`` peers: the bytes each rank sends and receives are the ring's, ``(P - 1) x n``,
-but all at once on ``P - 1`` streams, so beyond :data:`MAX_RANKS` ranks the ring (Gloo's own allgather)
-keeps its place.
+callbacks (the engine's finish) run on that thread, as they ran on Gloo's. The works are posted by another
+daemon thread (:class:`Posts`), not in the hook: a Gloo pair's send and receive take the pair's lock, and its
+event loop thread, woken by the peer's bytes while the lock is held, spins on it (``Pair::handleEvents`` tries
+the lock and returns, the readable socket wakes it again) and takes the holder's core. On the unshaped
+loopback with a core a rank (the shapes CNN, 2 ranks) a third of the hook's posts took 1-10 ms against 0.15 ms
+for the rest, and the training thread waited them out inside backward; posted by this thread, the compressed
+step was 10-13 % shorter, the same bytes received (``experiments/results/research-step-overhead/``).
+
+Every rank sends its payload to each of its ``P - 1`` peers: the bytes each rank sends and receives are the
+ring's, ``(P - 1) x n``, but all at once on ``P - 1`` streams, so beyond :data:`MAX_RANKS` ranks the ring (Gloo's
+own allgather) keeps its place.
 """
 from __future__ import annotations
 
@@ -26,14 +33,14 @@ import atexit
 import queue
 import threading
 import zlib
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from gradcomp import inflight
 
-__all__ = ["MAX_RANKS", "Completions", "applies", "gather", "tag_of"]
+__all__ = ["MAX_RANKS", "Completions", "Posts", "applies", "gather", "tag_of"]
 
 #: The most ranks the direct form serves; beyond, each rank's ``P - 1`` simultaneous streams are left to
 #: the ring. Tested at 2 and 3 ranks, timed at 2.
@@ -45,32 +52,34 @@ TAG_BASE = 0x6763 << 16
 STOP_WAIT_S = 5.0
 
 
-class Completions:
-    """One daemon thread that waits for point-to-point works in the order they were started and then
-    completes their future: with ``value``, or with the first work's error (a failed peer)."""
+class _Worker:
+    """One daemon thread that handles the items handed to it in order (started at the first item)."""
+
+    name = "gradcomp-direct"
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
-    def add(self, works: List[object], future: torch.futures.Future, value: object) -> None:
-        """Complete ``future`` with ``value`` once every work of ``works`` has finished."""
+    def _put(self, item: tuple) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gradcomp-direct", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-                atexit.register(self.stop)
-        self._queue.put((works, future, value))
+        self._queue.put(item)
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            _complete(*item)
-            # The works, the tensors they own and the callbacks went in _complete, on this Python thread.
+            self._handle(*item)
+            # What the item held (works, tensors, callbacks) went in _handle, on this Python thread.
             del item
+
+    def _handle(self, *item) -> None:
+        raise NotImplementedError
 
     def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
         """Let the thread finish what it was handed, then end it (at exit, before finalization)."""
@@ -81,10 +90,49 @@ class Completions:
             thread.join(timeout_s)
 
 
-def _complete(works: List[object], future: torch.futures.Future, value: object) -> None:
-    """Wait for every work of ``works`` in order, then complete ``future`` (with the first error, if any:
-    the engine's wait re-raises it on the training thread); on return nothing here refers to them."""
-    error = None
+class Completions(_Worker):
+    """One daemon thread that waits for point-to-point works in the order they were started and then
+    completes their future: with ``value``, or with the first work's error (a failed peer)."""
+
+    def add(self, works: List[object], future: torch.futures.Future, value: object,
+            error: Optional[BaseException] = None) -> None:
+        """Complete ``future`` with ``value`` (or ``error``, if given) once every work of ``works`` has finished."""
+        self._put((works, future, value, error))
+
+    def _handle(self, works, future, value, error) -> None:
+        _complete(works, future, value, error)
+
+
+class Posts(_Worker):
+    """One daemon thread that posts each exchange's point-to-point works, in the order the exchanges were
+    handed to it, and passes them on to ``completions``: the caller never holds a Gloo pair's lock (module
+    docstring)."""
+
+    name = "gradcomp-direct-post"
+
+    def __init__(self, completions: Completions):
+        super().__init__()
+        self._completions = completions
+
+    def add(self, post: Callable[[List[object]], None], future: torch.futures.Future, value: object) -> None:
+        """Run ``post(works)`` (it appends each work it starts to ``works``), then complete ``future`` with
+        ``value`` once they have finished; an error in ``post`` fails the future after the works it started."""
+        self._put((post, future, value))
+
+    def _handle(self, post, future, value) -> None:
+        works: List[object] = []
+        try:
+            post(works)
+        except Exception as failure:  # e.g. a peer that left: the future raises it on the training thread
+            self._completions.add(works, future, value, failure)
+            return
+        self._completions.add(works, future, value)
+
+
+def _complete(works: List[object], future: torch.futures.Future, value: object,
+              error: Optional[BaseException] = None) -> None:
+    """Wait for every work of ``works`` in order, then complete ``future`` (with ``error`` or the works' first
+    error, if any: the engine's wait re-raises it on the training thread); on return nothing here refers to them."""
     for work in works:
         try:
             work.wait()
@@ -97,6 +145,14 @@ def _complete(works: List[object], future: torch.futures.Future, value: object) 
 
 
 _COMPLETIONS = Completions()
+_POSTS = Posts(_COMPLETIONS)
+
+
+@atexit.register
+def _stop() -> None:
+    """At exit, before finalization: the posts first, so that what they hand on is waited for."""
+    _POSTS.stop()
+    _COMPLETIONS.stop()
 
 
 def applies(group, world_size: int, buffer: torch.Tensor) -> bool:
@@ -112,7 +168,8 @@ def tag_of(name: str) -> int:
 def gather(buffer: torch.Tensor, group, rank: int, world_size: int, name: str) -> torch.futures.Future:
     """Start gathering the 1-D uint8 ``buffer`` (the same size on every rank) of every rank of ``group``;
     the future's value is ``[gathered]``, uint8 ``[world_size * n]`` with rank ``r``'s bytes at ``r * n``.
-    Receives from every peer are posted before any send. ``buffer`` must not change until the future
+    Returns at once: a thread of this module posts the receives from every peer, then the sends (module
+    docstring), in the order of the calls. ``buffer`` must not change until the future
     completes. The ranks agree on every payload's size at set-up (:mod:`gradcomp.agreement`); a peer that sent
     another size would end the process inside Gloo, as Gloo's own allgather does. A peer that leaves fails the
     future."""
@@ -123,8 +180,11 @@ def gather(buffer: torch.Tensor, group, rank: int, world_size: int, name: str) -
     # Aliases held until the works let go of them, as for every collective (see gradcomp.inflight).
     sent, *slots = inflight.hold(buffer, *(gathered[peer * n:(peer + 1) * n] for peer in peers))
     tag = tag_of(name)
-    works = [dist.irecv(slot, group=group, group_src=peer, tag=tag) for peer, slot in zip(peers, slots)]
-    works += [dist.isend(sent, group=group, group_dst=peer, tag=tag) for peer in peers]
+
+    def post(works: List[object]) -> None:  # on the posting thread (module docstring)
+        works.extend(dist.irecv(slot, group=group, group_src=peer, tag=tag) for peer, slot in zip(peers, slots))
+        works.extend(dist.isend(sent, group=group, group_dst=peer, tag=tag) for peer in peers)
+
     future: torch.futures.Future = torch.futures.Future()
-    _COMPLETIONS.add(works, future, [gathered])
+    _POSTS.add(post, future, [gathered])
     return future
