@@ -19,9 +19,10 @@ callbacks (the engine's finish) run on that thread, as they ran on Gloo's. The w
 daemon thread (:class:`Posts`), not in the hook: a Gloo pair's send and receive take the pair's lock, and its
 event loop thread, woken by the peer's bytes while the lock is held, spins on it (``Pair::handleEvents`` tries
 the lock and returns, the readable socket wakes it again) and takes the holder's core. On the unshaped
-loopback with a core a rank (the shapes CNN, 2 ranks) a third of the hook's posts took 1-10 ms against 0.15 ms
-for the rest, and the training thread waited them out inside backward; posted by this thread, the compressed
-step was 10-13 % shorter, the same bytes received (``experiments/results/research-step-overhead/``).
+loopback, 2 ranks on 2 shared cores (the shapes CNN), a third of the hook's receives took 1-12 ms against 0.15 ms
+for the rest, the training thread waiting them out inside backward while the loop thread ran; posted by this
+thread, the compressed step took 0.82-0.96x its time, paired, the same bytes received
+(``experiments/results/research-step-overhead/``).
 
 Every rank sends its payload to each of its ``P - 1`` peers: the bytes each rank sends and receives are the
 ring's, ``(P - 1) x n``, but all at once on ``P - 1`` streams, so beyond :data:`MAX_RANKS` ranks the ring (Gloo's

@@ -23,7 +23,8 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 def make(method, net, loop, workload_name):
     """``(ddp model, optimizer, scheduler, gradcomp state or None)`` of ``method`` on a copy of ``net``."""
-    method = {"topk-perpart": "topk", "twobit-unfused": "twobit", "twobit-rankwise": "twobit"}.get(method, method)
+    method = {"topk-perpart": "topk", "twobit-unfused": "twobit", "twobit-rankwise": "twobit", "topk-inhook": "topk",
+              "twobit-inhook": "twobit"}.get(method, method)
     import copy
 
     from torch.nn.parallel import DistributedDataParallel
@@ -41,11 +42,23 @@ def make(method, net, loop, workload_name):
     return ddp, optimizer, scheduler, gradcomp_ddp.register(ddp, method[3:])
 
 
+class InHook:
+    """``gradcomp.hooks.direct``'s posts made on the calling thread, the hook's (before afec228)."""
+
+    def add(self, post, future, value):
+        from gradcomp.hooks import direct
+
+        works = []
+        post(works)
+        direct._COMPLETIONS.add(works, future, value)
+
+
 def _step(method, replica, workload, loop, rank, i):
     """One timed step of ``method``'s replica (``topk-perpart``: without top-k's batched form over the parts)."""
     import gradcomp.backends as backends
     from experiments import step_times
     from gradcomp.compressors.per_parameter import PerParameter
+    from gradcomp.hooks import direct
     from gradcomp.optim import FrozenVarianceAdam
 
     key = ("topk_compress/parts", "numba")
@@ -56,9 +69,13 @@ def _step(method, replica, workload, loop, rank, i):
     averages = PerParameter.averages
     if method == "twobit-rankwise":
         PerParameter.averages = False  # average_gathered then decodes rank by rank
+    posts = direct._POSTS
+    if method.endswith("-inhook"):
+        direct._POSTS = InHook()
     try:
         return step_times._step(replica, workload, loop, rank, i)
     finally:
+        direct._POSTS = posts
         FrozenVarianceAdam.divisor = divisor
         PerParameter.averages = averages
         if held is not None:
@@ -108,6 +125,11 @@ def rank_main(rank, argv):
             ratios = [a / b for a, b in zip(seconds[m], seconds[methods[0]])]
             median = statistics.median(seconds[m]) * 1000
             print(f"{m:>16} {median:8.2f} ms  x{methods[0]} {statistics.median(ratios):.3f}")
+            if m + "-inhook" in seconds:
+                before = seconds[m + "-inhook"]
+                paired = [a / b for a, b in zip(seconds[m], before)]
+                print(f"{m:>16} / {m}-inhook paired median {statistics.median(paired):.3f}, mean step "
+                      f"{statistics.mean(seconds[m]) * 1e3:.2f} / {statistics.mean(before) * 1e3:.2f} ms")
         if walltime:
             walltime.report(int(steps))
         if profiler:
