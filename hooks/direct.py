@@ -68,7 +68,11 @@ class _Worker:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
+                self._started()
         self._queue.put(item)
+
+    def _started(self) -> None:
+        """Called once the thread has started."""
 
     def _run(self) -> None:
         while True:
@@ -93,7 +97,8 @@ class _Worker:
 
 class Completions(_Worker):
     """One daemon thread that waits for point-to-point works in the order they were started and then
-    completes their future: with ``value``, or with the first work's error (a failed peer)."""
+    completes their future: with ``value``, or with the first work's error (a failed peer). Stopped at exit by
+    the :class:`Posts` that hands it works."""
 
     def add(self, works: List[object], future: torch.futures.Future, value: object,
             error: Optional[BaseException] = None) -> None:
@@ -119,6 +124,15 @@ class Posts(_Worker):
         """Run ``post(works)`` (it appends each work it starts to ``works``), then complete ``future`` with
         ``value`` once they have finished; an error in ``post`` fails the future after the works it started."""
         self._put((post, future, value))
+
+    def _started(self) -> None:
+        # At exit this runs before gradcomp.inflight's wait, whose hook the first hold() registered.
+        atexit.register(self.stop)
+
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
+        """Post what was handed, then let the completion thread finish (at exit, before finalization)."""
+        super().stop(timeout_s)
+        self._completions.stop(timeout_s)
 
     def _handle(self, post, future, value) -> None:
         works: List[object] = []
@@ -147,13 +161,6 @@ def _complete(works: List[object], future: torch.futures.Future, value: object,
 
 _COMPLETIONS = Completions()
 _POSTS = Posts(_COMPLETIONS)
-
-
-@atexit.register
-def _stop() -> None:
-    """At exit, before finalization: the posts first, so that what they hand on is waited for."""
-    _POSTS.stop()
-    _COMPLETIONS.stop()
 
 
 def applies(group, world_size: int, buffer: torch.Tensor) -> bool:
