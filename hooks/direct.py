@@ -21,8 +21,8 @@ event loop thread, woken by the peer's bytes while the lock is held, spins on it
 the lock and returns, the readable socket wakes it again) and takes the holder's core. On the unshaped
 loopback, 2 ranks on 2 shared cores (the shapes CNN), a third of the hook's receives took 1-12 ms against 0.15 ms
 for the rest, the training thread waiting them out inside backward while the loop thread ran; posted by this
-thread, the compressed step took 0.82-0.96x its time, paired, the same bytes received
-(``experiments/results/research-step-overhead/``).
+thread, the compressed step took 0.82-0.96x its time, paired, with another job on the cores, and 0.99x with the
+ranks alone; the same bytes received (``experiments/results/research-step-overhead/``).
 
 Every rank sends its payload to each of its ``P - 1`` peers: the bytes each rank sends and receives are the
 ring's, ``(P - 1) x n``, but all at once on ``P - 1`` streams, so beyond :data:`MAX_RANKS` ranks the ring (Gloo's
