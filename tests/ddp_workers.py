@@ -277,12 +277,29 @@ def gathers_hold(rank, world_size):
 
 
 def direct_allgathers(rank, world_size):
-    """Gather payloads of every rank through the DDP transport on Gloo (receives posted first,
-    ``gradcomp.hooks.direct``), two groups in flight at once: what each returned, as lists."""
-    transport = gc_ddp.TorchDistributedTransport()
-    first = transport.allgather(torch.arange(5, dtype=torch.uint8) + 10 * rank, "0")
-    second = transport.allgather(torch.full((3,), 100 + rank, dtype=torch.uint8), "1")
-    return [second.wait()[0].tolist(), first.wait()[0].tolist()]
+    """Gather payloads of every rank through the DDP transport on Gloo (``gradcomp.hooks.direct``), two groups in
+    flight at once, spying on the real ``irecv``/``isend`` (they still run): ``{"gathered": what each returned, as
+    lists, "posts": (kind, name of the thread that posted it) in order, "caller": the calling thread's name}``."""
+    import threading
+
+    posts, real = [], {"irecv": dist.irecv, "isend": dist.isend}
+
+    def spy(kind):
+        def call(*args, **kwargs):
+            posts.append((kind, threading.current_thread().name))
+            return real[kind](*args, **kwargs)
+
+        return call
+
+    dist.irecv, dist.isend = spy("irecv"), spy("isend")
+    try:
+        transport = gc_ddp.TorchDistributedTransport()
+        first = transport.allgather(torch.arange(5, dtype=torch.uint8) + 10 * rank, "0")
+        second = transport.allgather(torch.full((3,), 100 + rank, dtype=torch.uint8), "1")
+        gathered = [second.wait()[0].tolist(), first.wait()[0].tolist()]
+    finally:
+        dist.irecv, dist.isend = real["irecv"], real["isend"]
+    return {"gathered": gathered, "posts": posts, "caller": threading.current_thread().name}
 
 
 def direct_allgather_with_a_departed_peer(rank, world_size):

@@ -158,10 +158,15 @@ def test_error_feedback_keeps_topk_within_5_percent_of_dense_and_beats_no_feedba
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_gloo_allgather_gives_every_rank_every_payload_in_rank_order(tmp_path, world_size):
-    # Receives posted before sends (gradcomp.hooks.direct), two groups in flight, waited in the other order.
+    # Two groups in flight, waited in the other order; each group's receives posted before its sends, the groups
+    # in the order of the calls, by gradcomp.hooks.direct's posting thread, never the caller's (a Gloo pair's
+    # lock held by the training thread makes the pair's event loop spin on its core).
+    peers = world_size - 1
     for result in multiprocess.spawn(workers.direct_allgathers, world_size, tmp_path):
-        assert result == [[100 + r for r in range(world_size) for _ in range(3)],
-                          [10 * r + i for r in range(world_size) for i in range(5)]]
+        assert result["gathered"] == [[100 + r for r in range(world_size) for _ in range(3)],
+                                      [10 * r + i for r in range(world_size) for i in range(5)]]
+        assert [kind for kind, _ in result["posts"]] == (["irecv"] * peers + ["isend"] * peers) * 2
+        assert {thread for _, thread in result["posts"]} == {"gradcomp-direct-post"} != {result["caller"]}
 
 
 @pytest.mark.multiprocess

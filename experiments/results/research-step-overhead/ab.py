@@ -43,7 +43,7 @@ def make(method, net, loop, workload_name):
 
 
 class InHook:
-    """``gradcomp.hooks.direct``'s posts made on the calling thread, the hook's (before afec228)."""
+    """``gradcomp.hooks.direct``'s posts made on the calling thread, the hook's (before 1c799b9)."""
 
     def add(self, post, future, value):
         from gradcomp.hooks import direct
