@@ -246,8 +246,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     ``gradcomp.register`` does on DDP: the same set-up (:func:`gradcomp.setup.prepare`), the same
     rules and checks, the same parameter names (wrapper prefixes removed); ``.recipe`` on the
     returned optimizer says what was chosen. ``granularity``, ``grad_scaler`` and ``residual_decay`` are
-    the engine's (``None``: the recipe's choice, else the engine's default). Without ``groups=`` the recipe
-    exchanges DDP's buckets (:func:`~gradcomp.hooks.horovod.parameters.ddp_buckets`), not one parameter at a time.
+    the engine's (``None``: the recipe's choice, else the engine's default); the recipe's ``groups`` default is DDP's.
 
     Example::
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -269,10 +268,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                                         op, gradient_predivide_factor, 0, groups, sparse_as_dense, process_set)
     _check_drop_in_arguments(compressor, op, named_parameters, error_feedback)
     named = list(names_of(optimizer.param_groups, named_parameters).items())
-    if total_steps is not None and groups is None:
-        # The recipe exchanges DDP's buckets, as it does on DDP: per parameter the engine's fixed work is paid
-        # once a tensor (top-k on charlm-small 1.23x dense's step on the loopback), and its rules were made there.
-        groups = ddp_buckets([p for p, _ in named if p.requires_grad])
+    groups = _recipe_groups(groups, total_steps, named)
     setup = prepare(compressor, [(name, p) for p, name in named],
                     optimizer=optimizer if total_steps is not None else None, total_steps=total_steps,
                     scheduler=scheduler, min_compression=min_compression, stage_hook=False,
@@ -283,6 +279,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                            process_set)
     distributed.recipe = setup.recipe
     return distributed
+
+
+def _recipe_groups(groups, total_steps: Optional[int], named) -> Optional[list]:
+    """``groups`` as given; with the recipe (``total_steps``) and none given, DDP's buckets of ``named``'s
+    parameters (:func:`~gradcomp.hooks.horovod.parameters.ddp_buckets`), not one parameter at a time: per
+    parameter the engine's fixed work is paid once a tensor (top-k on charlm-small 1.23x dense's step on the
+    loopback), and the recipe's rules were made on DDP's buckets."""
+    if total_steps is None or groups is not None:
+        return groups
+    return ddp_buckets([p for p, _ in named if p.requires_grad])
 
 
 def _first_rank(process_set) -> bool:
