@@ -133,10 +133,7 @@ def set_rate(rank_namespaces: Sequence[str], hub: str, device: str, rate: Option
     default = default_queued(hub)  # the hub sends nothing and keeps the kernel's default
     ends = [(name, device) for name in rank_namespaces] + [(hub, f"h{r}") for r in range(len(rank_namespaces))]
     for namespace, name in ends:
-        if rate is None:
-            unshape_device(namespace, name)
-        else:
-            shape_device(namespace, name, rate, "replace")
+        _reshape(namespace, name, rate)
     for namespace in rank_namespaces:
         limit_queued(namespace, rate, default)
 
@@ -144,8 +141,13 @@ def set_rate(rank_namespaces: Sequence[str], hub: str, device: str, rate: Option
 def set_shared_rate(namespace: str, rate: Optional[str], default: int) -> None:
     """Change a shared link (``namespace``'s loopback) to ``rate`` (``None``: unshaped), its senders' stack
     with it; ``default``: the kernel's own queue limit (the one for no rate)."""
-    if rate is None:
-        unshape_device(namespace, "lo")
-    else:
-        shape_device(namespace, "lo", rate, "replace")
+    _reshape(namespace, "lo", rate)
     limit_queued(namespace, rate, default)
+
+
+def _reshape(namespace: str, device: str, rate: Optional[str]) -> None:
+    """``device`` of ``namespace`` to ``rate``'s bucket, in place of the one it has (``None``: no bucket)."""
+    if rate is None:
+        unshape_device(namespace, device)
+    else:
+        shape_device(namespace, device, rate, "replace")

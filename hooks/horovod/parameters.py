@@ -102,14 +102,15 @@ def ddp_buckets(params: List[torch.Tensor]) -> List[List[torch.Tensor]]:
     order, about the order backward produces their gradients, one run per dtype, a bucket closed once it
     holds :data:`FIRST_BUCKET_BYTES` (the first of its dtype) or :data:`BUCKET_BYTES`; the open ones last."""
     open_buckets: Dict[torch.dtype, List[torch.Tensor]] = {}
+    held: Dict[torch.dtype, int] = {}  # bytes in each dtype's open bucket
     limits: Dict[torch.dtype, int] = {}
     closed = []
     for p in reversed(params):
-        bucket = open_buckets.setdefault(p.dtype, [])
-        bucket.append(p)
-        if sum(q.numel() * q.element_size() for q in bucket) >= limits.setdefault(p.dtype, FIRST_BUCKET_BYTES):
+        open_buckets.setdefault(p.dtype, []).append(p)
+        held[p.dtype] = held.get(p.dtype, 0) + p.numel() * p.element_size()
+        if held[p.dtype] >= limits.setdefault(p.dtype, FIRST_BUCKET_BYTES):
             closed.append(open_buckets.pop(p.dtype))
-            limits[p.dtype] = BUCKET_BYTES
+            held[p.dtype], limits[p.dtype] = 0, BUCKET_BYTES
     return closed + list(open_buckets.values())
 
 
