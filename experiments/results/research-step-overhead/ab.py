@@ -4,7 +4,10 @@ paired ratio to the first method's. Not a quiet benchmark: a diagnosis of where 
 
 Usage, from the repository root: ``PYTHONPATH=. python experiments/results/research-step-overhead/ab.py WORKLOAD
 OPTIMIZER STEPS METHOD...``; a METHOD is one of ``experiments.step_times``'s (``dense``, ``fp16``, ``topk``, ...),
-or ``gc-SPEC``: ``gradcomp.hooks.ddp.register(model, SPEC)`` alone, without an optimizer stage.
+or ``gc-SPEC``: ``gradcomp.hooks.ddp.register(model, SPEC)`` alone, without an optimizer stage, or
+``floor-BYTES`` / ``ring-BYTES``: a comm hook that exchanges a BYTES-byte payload per bucket through
+``gradcomp.hooks.direct.gather`` / Gloo's own allgather and hands DDP's bucket back unchanged (no compression,
+no average: the step of any compressor that exchanges that payload once a bucket, its own work at zero).
 Add ``--profile FILE`` to write rank 0's cProfile of the timed steps of the first method, ``--walltime`` to print
 rank 0's wall-clock totals of the step's named functions by thread over every method's timed steps (time one
 method: :mod:`walltime`). ``topk-perpart`` is the ``topk`` recipe with its parts selected one by one (the batched
@@ -32,6 +35,8 @@ def make(method, net, loop, workload_name):
     from experiments import loop as loops
     from experiments import step_times, suite
 
+    if method.startswith(("floor-", "ring-")):
+        return floor_replica(method, net, loop)
     if not method.startswith("gc-"):
         return step_times._replica(method, net, loop, suite.STEPS[workload_name])
     from gradcomp.hooks import ddp as gradcomp_ddp
@@ -40,6 +45,37 @@ def make(method, net, loop, workload_name):
     ddp = DistributedDataParallel(model)
     optimizer, scheduler = loops.build_optimizer(loop, model)
     return ddp, optimizer, scheduler, gradcomp_ddp.register(ddp, method[3:])
+
+
+def floor_replica(method, net, loop):
+    """A DDP replica whose comm hook only exchanges a fixed payload a bucket (module docstring)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from experiments import loop as loops
+    from gradcomp.hooks import direct
+
+    kind, size = method.split("-")
+    model = copy.deepcopy(net)
+    ddp = DistributedDataParallel(model)
+    optimizer, scheduler = loops.build_optimizer(loop, model)
+    payload = torch.zeros(int(size), dtype=torch.uint8)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        if kind == "floor":
+            future = direct.gather(payload, None, rank, world, f"floor{bucket.index()}")
+        else:
+            out = torch.empty(world * payload.numel(), dtype=torch.uint8)
+            future = dist.all_gather_into_tensor(out, payload, async_op=True).get_future()
+        return future.then(lambda _: buffer)
+
+    ddp.register_comm_hook(None, hook)
+    return ddp, optimizer, scheduler, None
 
 
 class InHook:

@@ -49,6 +49,25 @@ def install() -> None:
     _wrap(ddp, "_all_gather_flat", "all_gather launch")
     _wrap(inflight, "hold", "inflight.hold")
     _wrap(inflight, "keep", "inflight.keep")
+    # SGD-momentum's path (the digits MLP's fast-link cell)
+    from gradcomp.compressors import topk
+    from gradcomp.hooks import direct
+    from gradcomp.optim import delayed_momentum
+
+    for name in ("before_optimizer_step", "after_compress", "after_optimizer_step"):
+        _wrap(delayed_momentum.DelayedMomentumSGD, name, f"sgd.{name}")
+    for name in ("compress", "check_payload", "add_checked"):
+        _wrap(topk.TopK, name, f"topk.{name}")
+    _wrap(allgather.Allgather, "finish", "allgather.finish")
+    _wrap(engine.Engine, "_commit", "engine._commit")
+    _wrap(engine.Engine, "_compensate", "engine._compensate")
+    _wrap(direct, "gather", "direct.gather")
+    _wrap(engine.Engine, "end_step", "engine.end_step")
+    _wrap(ddp.CompressionState, "layout", "state.layout")
+    _wrap(inflight, "watch", "inflight.watch")
+    _wrap(engine.Engine, "_transformed", "engine._transformed")
+    _wrap(engine.Engine, "compressor_now", "engine.compressor_now")
+    _wrap(engine.Engine, "exchange_for", "engine.exchange_for")
 
 
 def reset() -> None:
