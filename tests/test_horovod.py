@@ -433,6 +433,28 @@ def test_fp16_compression_follows_the_horovod_protocol():
     assert gc_hvd.Compression.fp16.compress(integers) == (integers, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_casts_compression_sends_and_returns_its_payloads_values(dtype):
+    """A cast through Horovod is one conversion each way: the values, dtype and contiguity the cast's own payload
+    and decode give, for a strided gradient too."""
+    tensor = torch.randn(6, 5, dtype=dtype).t()
+    wire, ctx = gc_hvd.Compression.fp16.compress(tensor)
+    payload = gradcomp.FP16().compress(tensor.reshape(-1))
+    assert wire.is_contiguous() and wire.shape == tensor.shape and torch.equal(wire.view(-1), payload["data"])
+    reduced = wire * 2  # an out-of-place allreduce's result
+    out = torch.empty(tensor.numel(), dtype=dtype)
+    gradcomp.FP16().decompress(_payload_of(reduced), out)
+    restored = gc_hvd.Compression.fp16.decompress(reduced, ctx)
+    assert restored.dtype == dtype and restored.shape == tensor.shape and torch.equal(restored.reshape(-1), out)
+
+
+def _payload_of(data: torch.Tensor):
+    """An fp16 payload holding ``data``'s values (float16)."""
+    payload = gradcomp.FP16().layout(data.numel(), torch.float32).allocate(data.device)
+    payload["data"].copy_(data.reshape(-1))
+    return payload
+
+
 def test_bf16_compression_works_or_says_why_not():
     """Horovod 0.28.1 has no bfloat16 allreduce in its torch bindings; Compression.bf16
     must then fail at once with a message naming the alternatives."""
