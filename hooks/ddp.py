@@ -27,6 +27,7 @@ from gradcomp.compressors.base import Compressor
 from gradcomp.engine import Engine, Transport
 from gradcomp.error_feedback import ErrorFeedback
 from gradcomp.exchanges import DEFAULT as DEFAULT_EXCHANGE
+from gradcomp.exchanges.sparse import FrameworkSparse
 from gradcomp.hooks import direct
 from gradcomp.settings import DEFAULT_MIN_NUMEL
 from gradcomp.setup import prepare, speaks_to_caller
@@ -305,6 +306,8 @@ def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torc
     """
     engine: Engine = state.engine
     try:
+        if bucket.buffer().is_sparse:
+            return _sparse_average(engine, bucket)
         keys, numels = state.layout(bucket)
         handle = engine.start(bucket.buffer(), keys, numels, bucket.index())
     finally:
@@ -315,6 +318,21 @@ def compression_hook(state: "CompressionState", bucket: dist.GradBucket) -> torc
         return engine.finish(handle, _collective_result(fut, bucket))
 
     return handle.work.then(inflight.watch(finish))
+
+
+def _sparse_average(engine: Engine, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The average of a sparse gradient's bucket (an embedding's with ``sparse=True``, which DDP buckets alone), by
+    the framework's sparse allreduce, as DDP without a hook: uncompressed, no residual; recorded as
+    :class:`~gradcomp.exchanges.sparse.FrameworkSparse` in ``stats()``."""
+    grad = bucket.buffer()
+    FrameworkSparse.record(engine.telemetry.record, bucket.index(), grad)
+
+    def averaged(fut: torch.futures.Future) -> torch.Tensor:
+        value = fut.value()  # the sum, a tensor Gloo's sparse allreduce made: owned here too (gradcomp.inflight)
+        inflight.keep(value)
+        return value[0]
+
+    return engine.transport.allreduce_average(grad, str(bucket.index())).then(inflight.watch(averaged))
 
 
 @speaks_to_caller

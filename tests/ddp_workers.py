@@ -148,6 +148,47 @@ def identity_vs_builtin(rank, world_size, steps):
     return runs
 
 
+class SparseEmbeddingModel(torch.nn.Module):
+    """Token ids ``[b, 4]`` -> ``[b, 32]``: an embedding with ``sparse=True`` (DDP buckets its gradient alone) and a
+    linear head (2,080 parameters: compressed)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(60, 64, sparse=True)
+        self.head = torch.nn.Linear(64, 32)
+
+    def forward(self, tokens):
+        return self.head(self.embedding(tokens).mean(dim=1))
+
+
+def sparse_embedding_vs_builtin(rank, world_size, steps):
+    """DDP's built-in reducer and the top-k recipe's hook on a model with a sparse gradient: every gradient per
+    step (the embedding's densified), the parameters at the end, and how the recipe's groups travelled."""
+    runs = {}
+    for label in ("builtin", "recipe"):
+        model = SparseEmbeddingModel()
+        ddp = DDP(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        state = gc_ddp.register(ddp, "topk", optimizer=optimizer, total_steps=steps) if label == "recipe" else None
+        grads, modes = [], []
+        for step in range(steps):
+            optimizer.zero_grad()
+            generator = torch.Generator().manual_seed(100 * step + rank)
+            tokens = torch.randint(0, 60, (16, 4), generator=generator)
+            target = torch.randn(16, 32, generator=generator)
+            torch.nn.functional.mse_loss(ddp(tokens), target).backward()
+            grads.append({name: p.grad.to_dense().clone() if p.grad.is_sparse else p.grad.clone()
+                          for name, p in model.named_parameters()})
+            grads[-1]["embedding_is_sparse"] = model.embedding.weight.grad.is_sparse
+            optimizer.step()
+            if state is not None:
+                modes.append({g: v["mode"] for g, v in state.stats()["last_step"]["groups"].items()})
+        runs[label] = {"grads": grads, "modes": modes, "params": {n: p.detach().clone()
+                                                                  for n, p in model.named_parameters()}}
+    return runs
+
+
 def count_collective_bytes(rank, world_size, steps):
     """Spy on the real collectives (they still run) to count the bytes handed to them,
     and compare with what the state reports."""

@@ -100,6 +100,24 @@ def test_identity_hook_gives_the_same_gradients_as_ddp_without_hook(tmp_path, wo
         assert_grads_equal(result["identity"], result["builtin"])
 
 
+@pytest.mark.multiprocess
+def test_a_sparse_gradient_is_averaged_as_ddp_averages_it_beside_compressed_buckets(tmp_path):
+    """An embedding with sparse=True under the top-k recipe: its bucket goes by DDP's sparse allreduce, uncompressed,
+    on every step (bitwise DDP's gradients while the recipe starts dense), and the dense bucket is compressed."""
+    steps = 8
+    results = multiprocess.spawn(workers.sparse_embedding_vs_builtin, 2, str(tmp_path), steps)
+    for result in results:
+        builtin, recipe = result["builtin"], result["recipe"]
+        for step in range(2):  # the recipe's exact dense start
+            for name, value in builtin["grads"][step].items():
+                assert torch.equal(torch.as_tensor(recipe["grads"][step][name]), torch.as_tensor(value)), (step, name)
+        assert all(grads["embedding_is_sparse"] for grads in recipe["grads"])
+        assert all(sorted(modes.values()) == ["allgather", "sparse"] for modes in recipe["modes"][2:])
+        assert not torch.equal(recipe["params"]["head.weight"], builtin["params"]["head.weight"])  # compressed
+    for name, value in results[0]["recipe"]["params"].items():
+        assert torch.equal(value, results[1]["recipe"]["params"][name]), name
+
+
 CASES = [
     # (compressor spec, world size, warm-up steps, granularity)
     (("topk", 0.01), 2, 2, "parameter"),

@@ -279,9 +279,13 @@ def test_dropin_equals_horovod_distributed_optimizer(ranks, variant, reference, 
 def test_sparse_gradients_follow_horovod(ranks):
     """Sparse embedding gradients: the drop-in uses Horovod's sparse allreduce (bitwise
     Horovod's result) or, with sparse_as_dense=True, compresses the densified gradient;
-    either way p.grad is sparse again after synchronize and ranks agree bitwise."""
+    either way p.grad is sparse again after synchronize and ranks agree bitwise. The recipe's
+    default groups split where a sparse gradient shows; a group the user gave refuses it, as Horovod."""
     first, second = (r["sparse"] for r in ranks)
+    for run in (first, second):  # a group the user gave: Horovod's rule, at the first step
+        assert "has sparse gradients; pass sparse_as_dense=True" in run.pop("dropin_groups")["error"]
     for name in first:
+        assert "error" not in first[name], (name, first[name])
         for param, value in first[name]["params"].items():
             assert bitwise_equal(value, second[name]["params"][param]), f"{name}: {param} differs between ranks"
         assert first[name]["sparse_after_sync"]
@@ -290,6 +294,11 @@ def test_sparse_gradients_follow_horovod(ranks):
         assert bitwise_equal(first["dropin"]["params"][param], value), param
     assert first["dropin"]["modes"]["embedding.weight"] == "sparse"
     assert first["dropin_topk_dense"]["modes"]["embedding.weight"] == "allgather"
+    # The recipe's default group held the sparse gradient with the head's: split, the embedding's sparse allreduce
+    # alone and the head's two parameters as one group.
+    modes = first["dropin_recipe_topk"]["modes"]
+    assert modes.pop("embedding.weight") == "sparse" and len(modes) == 1
+    assert sorted(next(iter(modes)).split("+")) == ["head.bias", "head.weight"]
 
 
 # -- convergence -------------------------------------------------------------------------

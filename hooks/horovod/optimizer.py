@@ -54,6 +54,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ready_count: Dict[Unit, int] = {u: 0 for u in self._units}
         self._handles: Dict[Unit, Optional[tuple]] = {}  # unit -> exchange in flight (None: waiting)
         self._synchronized, self._should_synchronize = False, True
+        self.splits_sparse = False  # set by DistributedOptimizer where it chose the groups
         if self.process_set.included():
             # Units never change, so one settings check at construction covers every step.
             engine.check_agreement([(u.numels, u.params[0].dtype) for u in self._units], "construction")
@@ -74,7 +75,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._allreduce_delay[p] == 0:
                 self._ready_count[unit] += 1
                 if self._ready_count[unit] == len(unit.params):
-                    self._handles[unit] = self._launch(unit)
+                    self._launch_ready(unit)
                     return
             self._handles.setdefault(unit, None)
 
@@ -84,6 +85,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
+
+    def _launch_ready(self, unit: Unit) -> None:
+        """Start ``unit``'s exchange once its gradients are in. A default group (``splits_sparse``) that meets a
+        sparse gradient is split first (:meth:`_split_sparse`); a group the user gave keeps Horovod's rule."""
+        self._handles.pop(unit, None)
+        sparse = [p for p in unit.params if p.grad is not None and p.grad.is_sparse]
+        parts = self._split_sparse(unit, sparse) if sparse and len(unit.params) > 1 and self.splits_sparse \
+            and not self.sparse_as_dense else [unit]
+        for part in parts:
+            self._handles[part] = self._launch(part)
+
+    def _split_sparse(self, unit: Unit, sparse: List[torch.nn.Parameter]) -> List[Unit]:
+        """Replace ``unit``, for good, by each of its ``sparse`` gradients' parameters alone and the rest as one
+        group, in its place: DDP's buckets hold a sparse gradient alone, and Horovod's sparse allreduce takes one
+        tensor. Every rank meets the same sparse gradients (one model), so every rank splits alike."""
+        rest = [p for p in unit.params if not any(p is q for q in sparse)]
+        parts = [Unit([p], [self._parameter_names[p]]) for p in sparse]
+        parts += [Unit(rest, [self._parameter_names[p] for p in rest])] if rest else []
+        at = self._units.index(unit)
+        self._units[at:at + 1] = parts
+        del self._ready_count[unit]
+        for part in parts:
+            self._ready_count[part] = len(part.params)
+            self._unit_of.update(dict.fromkeys(part.params, part))
+        return parts
 
     def _launch(self, unit: Unit) -> tuple:
         """Start ``unit``'s exchange: ``(handle or Horovod sparse handle, flat_is_grad, resparsify)``."""
@@ -124,9 +150,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
-        for unit in self._units:
+        for unit in list(self._units):  # a launch may split a unit (_split_sparse)
             if self._handles.get(unit) is None:  # step() before backward_passes_per_step passes, or unused
-                self._handles[unit] = self._launch(unit)
+                self._launch_ready(unit)
         for unit, exchange in self._handles.items():
             self._finish(unit, exchange)
         self._handles.clear()
@@ -268,15 +294,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                                         op, gradient_predivide_factor, 0, groups, sparse_as_dense, process_set)
     _check_drop_in_arguments(compressor, op, named_parameters, error_feedback)
     named = list(names_of(optimizer.param_groups, named_parameters).items())
-    groups = _recipe_groups(groups, total_steps, named)
     setup = prepare(compressor, [(name, p) for p, name in named],
                     optimizer=optimizer if total_steps is not None else None, total_steps=total_steps,
                     scheduler=scheduler, min_compression=min_compression, stage_hook=False,
                     announce=_first_rank(process_set), **engine_settings)
     engine = Engine(setup.compressor, HorovodTransport(process_set, op, gradient_predivide_factor), **setup.settings)
     engine.agreement_steps = ()  # checked once at construction instead
-    distributed = _drop_in(optimizer, setup.named, engine, backward_passes_per_step, op, groups, sparse_as_dense,
+    chosen = _recipe_groups(groups, total_steps, named)
+    distributed = _drop_in(optimizer, setup.named, engine, backward_passes_per_step, op, chosen, sparse_as_dense,
                            process_set)
+    distributed.splits_sparse = chosen is not groups
     distributed.recipe = setup.recipe
     return distributed
 
