@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import inspect
 import warnings
 import weakref
 from typing import Dict, Optional, Sequence, Tuple
@@ -248,6 +249,18 @@ def recommended(compressor: Compressor) -> DenseWarmup:
     if type(compressor).__name__ == "TwoBit":
         return DenseWarmup(TWOBIT_DENSE_STEPS)
     return DenseWarmup(TOPK_DENSE_STEPS)
+
+
+def plannable(scheduler):
+    """``scheduler`` where the plan can read its rates ahead (its ``step()`` takes no argument), else ``None``:
+    ``ReduceLROnPlateau`` steps on the loop's metric, so its rate is read as the run goes, as a rate set by hand
+    (:mod:`gradcomp.optim.freeze_gate`)."""
+    try:
+        parameters = inspect.signature(scheduler.step).parameters.values()
+    except (AttributeError, TypeError, ValueError):  # none given, or a step without a signature to read
+        return scheduler
+    required = [p for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return None if required else scheduler
 
 
 def lr_peak_step(scheduler, total_steps: int) -> int:

@@ -94,6 +94,23 @@ def test_dense_start_follows_the_lr_warm_up_or_five_percent():
     assert plan("twobit:chunk", None, 10, None, named).dense_steps == 2  # DDP's bucket rebuild at least
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_a_scheduler_that_steps_on_a_metric_plans_as_a_rate_set_by_hand(kind):
+    """ReduceLROnPlateau's step() needs the loop's metric: the plan cannot read it ahead and reads the rate as the
+    run goes, as with no scheduler (its step() called without a metric raised a TypeError at register)."""
+    named = named_mlp()
+    params = [p for _, p in named]
+    make = (lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9)) if kind == "sgd" else \
+        (lambda: torch.optim.AdamW(params, lr=1e-3))
+    optimizer = make()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    for spec in ("topk:0.01", "twobit:chunk"):
+        planned, unscheduled = (plan(spec, optimizer, 600, s, named, announce=False) for s in (plateau, None))
+        assert planned.dense_steps == unscheduled.dense_steps
+        assert planned.summary == unscheduled.summary
+    assert optimizer.param_groups[0]["lr"] == (0.1 if kind == "sgd" else 1e-3)
+
+
 def test_under_adam_the_dense_start_asks_ten_percent_for_the_variance_and_the_budget_caps_it():
     """Adam's dense start is also its variance's window before the freeze: 10% of a 2000-step run where the
     budget allows (a 4x budget), what top-k's 8x budget leaves once its ramp has its shortest length
