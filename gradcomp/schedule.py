@@ -254,7 +254,11 @@ def recommended(compressor: Compressor) -> DenseWarmup:
 def plannable(scheduler):
     """``scheduler`` where the plan can read its rates ahead (its ``step()`` takes no argument), else ``None``:
     ``ReduceLROnPlateau`` steps on the loop's metric, so its rate is read as the run goes, as a rate set by hand
-    (:mod:`gradcomp.optim.freeze_gate`)."""
+    (:mod:`gradcomp.optim.freeze_gate`). A wrapper that steps the scheduler it holds as ``.scheduler`` (the
+    integrations' per-optimizer-step view, Accelerate's) is judged by that one."""
+    inner = getattr(scheduler, "scheduler", None)
+    if inner is not None and inner is not scheduler and plannable(inner) is None:
+        return None
     try:
         parameters = inspect.signature(scheduler.step).parameters.values()
     except (AttributeError, TypeError, ValueError):  # none given, or a step without a signature to read
