@@ -48,6 +48,7 @@ from __future__ import annotations
 import atexit
 import copy
 import inspect
+import math
 import warnings
 import weakref
 from typing import Dict, Optional, Sequence, Tuple
@@ -132,7 +133,9 @@ class DenseWarmup:
         if theirs != mine:
             raise ValueError(
                 f"the checkpoint was saved with schedule {theirs} but this run uses {mine}; "
-                "resume with the same schedule, or start the schedule afresh"
+                "resume with the same schedule, or start the schedule afresh (the recipe's plan reads "
+                "register(..., scheduler=)'s warm-up from the run's first step: register before loading the "
+                "scheduler's state where it cannot be rewound, as a SequentialLR)"
             )
 
     def __repr__(self) -> str:
@@ -267,22 +270,53 @@ def plannable(scheduler):
     return None if required else scheduler
 
 
+def rewind(scheduler) -> bool:
+    """Put ``scheduler`` (a copy, with a copy of its optimizer's param groups) back at the run's first step, as its
+    constructor left it; whether it was moved. Exact for the schedulers whose rate is a function of the step
+    (``LambdaLR``, which every HF ``get_scheduler`` type is, ``LinearLR``, ``OneCycleLR``, ...)."""
+    base_lrs = getattr(scheduler, "base_lrs", None)
+    if base_lrs is None or getattr(scheduler, "last_epoch", 0) == 0:
+        return False
+    for group, base_lr in zip(scheduler.optimizer.param_groups, base_lrs):
+        group["lr"] = base_lr
+    scheduler.last_epoch = -1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": nothing is trained here
+        scheduler.step()
+    return True
+
+
+def _rates(scheduler, steps: int):
+    """Group 0's learning rate of ``scheduler`` (mutated: stepped) now and after each of ``steps`` steps."""
+    yield float(scheduler.optimizer.param_groups[0]["lr"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": nothing is trained here
+        for _ in range(steps):
+            scheduler.step()
+            yield float(scheduler.optimizer.param_groups[0]["lr"])
+
+
 def lr_peak_step(scheduler, total_steps: int) -> int:
-    """The first step at which ``scheduler``'s learning rate (group 0) peaks over ``total_steps``, found
-    on a copy (the parameters shared, not copied; nothing of ``scheduler`` or its optimizer changes)."""
+    """The first step of the run at which ``scheduler``'s learning rate (group 0) peaks over ``total_steps``, found
+    on a copy (the parameters shared, not copied; nothing of ``scheduler`` or its optimizer changes).
+
+    A resumed run loads its scheduler's state before it registers: the copy is rewound to the run's first step
+    (:func:`rewind`), so the plan is the one its checkpoint was saved under, where stepping the rewound copy back
+    to the live step gives the live rate; else the peak is counted from the live step."""
     optimizer = scheduler.optimizer
     memo = {id(p): p for group in optimizer.param_groups for p in group["params"]}
     memo.update({id(t): t for state in optimizer.state.values() for t in state.values()
                  if isinstance(t, torch.Tensor)})
-    probe = copy.deepcopy(scheduler, memo)
-    best_lr, best_step = float(probe.optimizer.param_groups[0]["lr"]), 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": nothing is trained here
-        for step in range(1, total_steps):
-            probe.step()
-            lr = float(probe.optimizer.param_groups[0]["lr"])
-            if lr > best_lr * (1 + 1e-9):
-                best_lr, best_step = lr, step
+    probe, live = copy.deepcopy(scheduler, memo), float(optimizer.param_groups[0]["lr"])
+    at = getattr(scheduler, "last_epoch", 0)
+    if isinstance(at, int) and rewind(probe):
+        check = copy.deepcopy(probe, memo)
+        if not math.isclose(list(_rates(check, at))[-1], live, rel_tol=1e-9, abs_tol=0.0):
+            probe = copy.deepcopy(scheduler, memo)  # not a function of the step: plan from here
+    best_lr, best_step = None, 0
+    for step, lr in enumerate(_rates(probe, total_steps - 1)):
+        if best_lr is None or lr > best_lr * (1 + 1e-9):
+            best_lr, best_step = lr, step
     return best_step
 
 

@@ -32,12 +32,12 @@ Example::
 Accelerate is imported by the caller, never here: ``import gradcomp`` does not need it.
 """
 import copy
-import warnings
 from typing import Optional
 
 import torch
 
 from gradcomp.hooks import ddp as gc_ddp
+from gradcomp.schedule import rewind
 from gradcomp.setup import innermost_optimizer, speaks_to_caller
 
 __all__ = ["register", "AllRanksState", "OptimizerStepScheduler"]
@@ -91,24 +91,11 @@ class OptimizerStepScheduler:
         view = copy.copy(self.scheduler)
         view.optimizer = self.optimizer
         inner = copy.deepcopy(view, memo)
-        _rewind(inner)
+        rewind(inner)
         return OptimizerStepScheduler(inner, inner.optimizer, self.per_step)
 
     def __repr__(self) -> str:
         return f"OptimizerStepScheduler({type(self.scheduler).__name__}, per_step={self.per_step})"
-
-
-def _rewind(scheduler) -> None:
-    """Put ``scheduler`` (a copy, with a copy of its optimizer's param groups) back at step 0."""
-    base_lrs = getattr(scheduler, "base_lrs", None)
-    if base_lrs is None or getattr(scheduler, "last_epoch", 0) == 0:
-        return
-    for group, base_lr in zip(scheduler.optimizer.param_groups, base_lrs):
-        group["lr"] = base_lr
-    scheduler.last_epoch = -1
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": nothing is trained here
-        scheduler.step()
 
 
 def per_optimizer_step(accelerator, scheduler) -> Optional[OptimizerStepScheduler]:

@@ -118,6 +118,40 @@ def test_a_scheduler_that_steps_on_a_metric_plans_as_a_rate_set_by_hand(kind):
     assert plannable(stepped) is stepped
 
 
+@pytest.mark.parametrize("kind", ["lambda", "onecycle", "linear", "sequential"])
+def test_a_resumed_schedulers_warm_up_is_read_from_the_runs_first_step(kind):
+    """A resumed run loads its scheduler's state, then registers: the plan must be the one its checkpoint was saved
+    under (the schedule's settings are checked at load). A scheduler whose rate is a function of the step is
+    rewound; one that cannot be (SequentialLR) is planned from where it is, as before."""
+    param = torch.nn.Parameter(torch.zeros(3))
+
+    def make():
+        optimizer = torch.optim.SGD([param], lr=0.1)
+        lr = torch.optim.lr_scheduler
+        return optimizer, {
+            "lambda": lambda: lr.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100)),
+            "onecycle": lambda: lr.OneCycleLR(optimizer, max_lr=0.1, total_steps=1000),
+            "linear": lambda: lr.LinearLR(optimizer, 0.01, total_iters=100),
+            "sequential": lambda: lr.SequentialLR(optimizer, [lr.LinearLR(optimizer, 0.01, total_iters=100),
+                                                              lr.CosineAnnealingLR(optimizer, 900)], milestones=[100]),
+        }[kind]()
+
+    optimizer, scheduler = make()
+    fresh = lr_peak_step(scheduler, 1000)
+    assert fresh in (99, 100, 299)
+    for _ in range(300):
+        optimizer.step()
+        scheduler.step()
+    live = (optimizer.param_groups[0]["lr"], scheduler.state_dict())
+    resumed = lr_peak_step(scheduler, 1000)
+    assert resumed == (0 if kind == "sequential" else fresh)
+    assert (optimizer.param_groups[0]["lr"], scheduler.state_dict()) == live  # the probe changed nothing
+    again, reloaded = make()  # a new process: the optimizer's state and the scheduler's loaded
+    again.load_state_dict(optimizer.state_dict())
+    reloaded.load_state_dict(scheduler.state_dict())
+    assert lr_peak_step(reloaded, 1000) == resumed
+
+
 def test_under_adam_the_dense_start_asks_ten_percent_for_the_variance_and_the_budget_caps_it():
     """Adam's dense start is also its variance's window before the freeze: 10% of a 2000-step run where the
     budget allows (a 4x budget), what top-k's 8x budget leaves once its ramp has its shortest length
