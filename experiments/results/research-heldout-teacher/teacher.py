@@ -6,7 +6,8 @@ Usage, from the repository root: ``PYTHONPATH=. python experiments/results/resea
 [--steps 200] [--seeds 0,1,2] [--optimizers sgd,adamw] [--methods dense,topk,...]``. A method is ``dense``, a recipe
 spec (``topk``, ``twobit``, ``topk:0.05``), or ``SPEC@parameter``: the recipe with ``granularity="parameter"``
 (each parameter's own top-k) in place of its choice. Probes, not gradcomp: ``--momentum M --lr L`` for SGD's
-(default 0.9 and 0.05), ``--delay D``: ``DelayedMomentumSGD`` gives up ``D`` steps of the momentum's memory on
+(default 0.9 and 0.05), ``--cosine`` (the rate decayed to 0 over the run, the scheduler given to the recipe),
+``--delay D``: ``DelayedMomentumSGD`` gives up ``D`` steps of the momentum's memory on
 every compressed step (``delay_at`` replaced; 9 leaves none of momentum 0.9's: plain SGD at 10x the rate).
 """
 import argparse
@@ -38,15 +39,18 @@ def held_out(rank: int, optimizer_name: str, method: str, seed: int, args) -> fl
     ddp = torch.nn.parallel.DistributedDataParallel(net)
     optimizer = (torch.optim.AdamW(net.parameters(), lr=1e-3) if optimizer_name == "adamw"
                  else torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps) if args.cosine else None
     if method != "dense":
         spec, _, granularity = method.partition("@")
-        gradcomp.register(ddp, spec, optimizer=optimizer, total_steps=steps,
+        gradcomp.register(ddp, spec, optimizer=optimizer, total_steps=steps, scheduler=scheduler,
                           **({"granularity": granularity} if granularity else {}))
     for step in range(steps):
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * seed + 10 * step + rank))
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), teacher(x)).backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
     x = torch.randn(512, 32, generator=torch.Generator().manual_seed(10 ** 6 + seed))
     with torch.no_grad():
         return torch.nn.functional.mse_loss(net(x), teacher(x)).item()
@@ -78,6 +82,7 @@ if __name__ == "__main__":
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--delay", type=float, default=None)
+    parser.add_argument("--cosine", action="store_true", help="a cosine decay of the rate to 0 over the run")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29761")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
