@@ -101,6 +101,7 @@ def test_identity_hook_gives_the_same_gradients_as_ddp_without_hook(tmp_path, wo
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_sparse_gradient_is_averaged_as_ddp_averages_it_beside_compressed_buckets(tmp_path):
     """An embedding with sparse=True under the top-k recipe: its bucket goes by DDP's sparse allreduce, uncompressed,
     on every step (bitwise DDP's gradients while the recipe starts dense), and the dense bucket is compressed."""
