@@ -89,17 +89,10 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from gradcomp.compressors import FP16, Compressor, ThreeBit, TopK, TwoBit, from_spec
+from gradcomp.lr_schedule import lr_peak_step, plannable
 from gradcomp.recipe_bytes import Traffic, bytes_per_element
 from gradcomp.recipe_stage import optimizer_stage
-from gradcomp.schedule import (
-    EXACT_DENSE_STEPS,
-    CodeSwitch,
-    DenseWarmup,
-    PlannedSchedule,
-    SparsityRamp,
-    lr_peak_step,
-    plannable,
-)
+from gradcomp.schedule import EXACT_DENSE_STEPS, CodeSwitch, DenseWarmup, PlannedSchedule, SparsityRamp
 from gradcomp.settings import DEFAULT_MIN_NUMEL, check_compressor
 
 __all__ = ["Plan", "plan", "code", "lr_peak_step", "DENSE_FRACTION", "ADAM_DENSE_FRACTION", "RAMP_FRACTION",
@@ -255,7 +248,7 @@ def plan(compressor, optimizer=None, total_steps: Optional[int] = None, schedule
         optimizer: the user's optimizer; Adam/AdamW gets a step pre-hook
             (:class:`~gradcomp.optim.FrozenVarianceAdam`), any other is left as it is.
         total_steps: optimizer steps in the run (required).
-        scheduler: the LR scheduler, if any: its warm-up sets the dense start (``schedule.plannable``).
+        scheduler: the LR scheduler, if any: its warm-up sets the dense start (``lr_schedule.plannable``).
         named_parameters: ``(name, parameter)`` of the averaged parameters (the stage's keys).
         min_numel: parameters under it travel dense (their share counts against the budget).
         min_compression: the byte budget, dense bytes / bytes sent over the run (default

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from gradcomp.hooks import ddp as gc_ddp
-from gradcomp.schedule import rewind
+from gradcomp.lr_schedule import rewind
 from gradcomp.setup import innermost_optimizer, speaks_to_caller
 
 __all__ = ["register", "AllRanksState", "OptimizerStepScheduler"]

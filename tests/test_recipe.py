@@ -111,7 +111,7 @@ def test_a_scheduler_that_steps_on_a_metric_plans_as_a_rate_set_by_hand(kind):
     assert optimizer.param_groups[0]["lr"] == (0.1 if kind == "sgd" else 1e-3)
     # as the HF Trainer's and Accelerate's integrations hand it over: a view that steps it once per optimizer step
     from gradcomp.hooks.accelerate import OptimizerStepScheduler
-    from gradcomp.schedule import plannable
+    from gradcomp.lr_schedule import plannable
 
     assert plannable(OptimizerStepScheduler(plateau, optimizer)) is None
     stepped = OptimizerStepScheduler(torch.optim.lr_scheduler.LinearLR(optimizer), optimizer)
