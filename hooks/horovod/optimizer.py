@@ -303,8 +303,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     chosen = _recipe_groups(groups, total_steps, named)
     distributed = _drop_in(optimizer, setup.named, engine, backward_passes_per_step, op, chosen, sparse_as_dense,
                            process_set)
-    distributed.splits_sparse = chosen is not groups
-    distributed.recipe = setup.recipe
+    distributed.splits_sparse, distributed.recipe = chosen is not groups, setup.recipe
     return distributed
 
 
