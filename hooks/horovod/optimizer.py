@@ -56,7 +56,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized, self._should_synchronize = False, True
         self.splits_sparse = False  # set by DistributedOptimizer where it chose the groups
         if self.process_set.included():
-            # Units never change, so one settings check at construction covers every step.
+            # Units change only by a split every rank makes alike (_split_sparse): one check covers every step.
             engine.check_agreement([(u.numels, u.params[0].dtype) for u in self._units], "construction")
             for unit in self._units:
                 for p in unit.params:
