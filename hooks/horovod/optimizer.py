@@ -90,10 +90,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Start ``unit``'s exchange once its gradients are in. A default group (``splits_sparse``) that meets a
         sparse gradient is split first (:meth:`_split_sparse`); a group the user gave keeps Horovod's rule."""
         self._handles.pop(unit, None)
-        sparse = [p for p in unit.params if p.grad is not None and p.grad.is_sparse]
-        parts = self._split_sparse(unit, sparse) if sparse and len(unit.params) > 1 and self.splits_sparse \
-            and not self.sparse_as_dense else [unit]
-        for part in parts:
+        splits = self.splits_sparse and len(unit.params) > 1 and not self.sparse_as_dense
+        sparse = [p for p in unit.params if p.grad is not None and p.grad.is_sparse] if splits else []
+        for part in self._split_sparse(unit, sparse) if sparse else [unit]:
             self._handles[part] = self._launch(part)
 
     def _split_sparse(self, unit: Unit, sparse: List[torch.nn.Parameter]) -> List[Unit]:
