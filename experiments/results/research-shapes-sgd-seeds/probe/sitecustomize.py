@@ -46,6 +46,11 @@ directory), and nothing when unset::
                   rate, over SGD-momentum's stability bound 2 (1 + beta), to DIR/sharp-PID.jsonl (rank 0's optimizer)
     GC_CRITICAL=ETA  Accordion: a window of GC_CRITICAL_WINDOW (10) steps dense whenever the averaged gradient's
                   mean norm over the last window moved by ETA or more of the window's before
+    GC_CATCHUP=1  top-k's momentum not shortened; instead each coordinate that reaches the average after waiting
+                  `a` steps (steps since it was last nonzero in the average: the same on every rank) is applied as
+                  dense SGD-momentum would have applied `a` equal gradients of ages 1..a by now: the buffer takes
+                  r S1 / a, the parameter moves lr r (S2 - S1) / a beyond the buffer's step, S1 = (1 - beta^a) /
+                  (1 - beta), S2 = (a - beta S1) / (1 - beta) (a = 1: the optimizer's own step)
 """
 import os
 
@@ -366,3 +371,45 @@ if os.environ.get("GC_SHARPLOG"):
                 "edge": group["lr"] * curvature / (2 * (1 + group["momentum"]))}
 
     log_first_sgd_steps(os.environ["GC_SHARPLOG"], "sharp", secant)
+if os.environ.get("GC_CATCHUP"):
+    import torch
+
+    import gradcomp.optim.delayed_momentum as catchup
+
+    @torch.no_grad()
+    def catchup_before_optimizer_step(self):
+        compressed = {id(self.names[key]) for key, density in self._compressed.items()
+                      if key in self.names and 0 < density < 1}
+        self._compressed.clear()
+        self._cleared = []
+        ages = self.__dict__.setdefault("_ages", {})
+        for group in self.optimizer.param_groups:
+            beta, lr, wd = float(group["momentum"]), float(group["lr"]), group["weight_decay"]
+            if beta <= 0:
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if id(p) not in compressed:  # a dense step sends every coordinate: nothing waits
+                    ages.pop(id(p), None)
+                    continue
+                r = -p.grad if group.get("maximize") else p.grad
+                a = ages.get(id(p), torch.zeros_like(p, dtype=torch.float32)) + 1
+                s1 = (1 - torch.pow(beta, a)) / (1 - beta)
+                s2 = (a - beta * s1) / (1 - beta)
+                d = r * (s1 / a) * (1 - group["dampening"])
+                if wd:
+                    d = d.add(p, alpha=wd)
+                state = self.optimizer.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    state["momentum_buffer"] = buf = d.clone()
+                else:
+                    buf.mul_(beta).add_(d)
+                p.add_(buf, alpha=-lr)
+                p.add_(r * ((s2 - s1) / a), alpha=-lr)
+                ages[id(p)] = torch.where(r != 0, torch.zeros_like(a), a)
+                self._cleared.append((p, p.grad))
+                p.grad = None
+
+    catchup.DelayedMomentumSGD.before_optimizer_step = catchup_before_optimizer_step
