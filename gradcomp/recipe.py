@@ -66,12 +66,12 @@ from mechanisms that hold whatever the model, each measured on four workloads of
   chunk themselves, so both keep the engine's default (each parameter on its own).
 * **optimizer stage**: Adam/AdamW gets :class:`~gradcomp.optim.FrozenVarianceAdam` (variance frozen
   at ``D``, compression in Adam's update units; a sparsifier exchanges each rank's first moment, its
-  ``beta1`` shortened by the delay error feedback adds as under SGD, a quantizer the gradient). Under
-  SGD the compressed gradient (error feedback, ``.grad`` the average
-  gradient) goes into the user's own SGD, whose momentum runs after the exchange on every rank alike;
-  with a sparsifier and momentum, :class:`~gradcomp.optim.DelayedMomentumSGD` shortens that momentum
-  on compressed steps by the delay error feedback adds (about half of top-k's gap on the two transformers
-  came from it; not under FSDP, whose shards it has not been run on). Other optimizers get error feedback and a notice.
+  ``beta1`` shortened by the delay error feedback adds, :mod:`gradcomp.optim.delay`; a quantizer the gradient).
+  Under SGD the compressed gradient (error feedback, ``.grad`` the average gradient) goes into the user's own
+  SGD, whose momentum runs after the exchange on every rank alike; with a sparsifier and momentum,
+  :class:`~gradcomp.optim.DelayedMomentumSGD` applies each coordinate's late gradient as the momentum would have
+  applied it on time (its wait read from the average; no constant of a model; not under FSDP, whose shards it
+  has not been run on). Other optimizers get error feedback and a notice.
 
 What the user's loop sees does not change: after ``backward()`` every ``.grad`` holds the average
 gradient in gradient units (for top-k under Adam, the average of the ranks' first moments, an

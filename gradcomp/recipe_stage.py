@@ -22,7 +22,6 @@ def optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list,
     ``freeze_cost(delay)`` words what a later freeze costs). SGD with momentum under a sparsifier:
     :class:`~gradcomp.optim.DelayedMomentumSGD`. Other optimizers: none, with a note in ``notes`` (appended)."""
     from gradcomp.optim import DelayedMomentumSGD, FrozenVarianceAdam
-    from gradcomp.optim.delayed_momentum import DELAY_MOMENTUM
 
     if isinstance(optimizer, torch.optim.Adam):
         exchange = "momentum" if compressor.sparsifies else "gradient"
@@ -39,9 +38,8 @@ def optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list,
         momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
         if momentum and compressor.sparsifies and not sharded:
             stage = DelayedMomentumSGD(optimizer, named, step_hook=step_hook)
-            return stage, (f"error feedback into SGD (its momentum after the exchange, shortened by "
-                           f"{stage.delay_steps:g} steps' delay on compressed steps, a share of it below momentum "
-                           f"{DELAY_MOMENTUM:g})")
+            return stage, ("error feedback into SGD (its momentum after the exchange, each coordinate's late "
+                           "gradient caught up as the momentum would have applied it on time)")
         return None, f"error feedback into SGD{' (its momentum after the exchange)' if momentum else ''}"
     if optimizer is not None:
         notes.append(f"{type(optimizer).__name__} has no optimizer-aware stage: plain error feedback with "

@@ -6,7 +6,7 @@
   frozen-variance update runs in the optimizer's step.
 * :class:`DelayedMomentumSGD`: for the user's own ``torch.optim.SGD`` with momentum under a
   sparsifier. ``.grad`` keeps the average gradient; while a parameter's group is compressed its step
-  runs with a momentum shortened by the delay error feedback adds, at the same step size.
+  applies each coordinate's late gradient as the momentum would have applied it on time.
 
 The one-call recipe (:mod:`gradcomp.recipe`, ``gradcomp.register(model, compressor, optimizer=, total_steps=)``) picks
 the stage and derives its settings from the run; the measured figures are in the README.

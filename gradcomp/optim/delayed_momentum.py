@@ -1,121 +1,52 @@
-"""SGD-momentum's stage under a sparsifier: the momentum's memory shortened by the delay error feedback adds.
+"""SGD-momentum's stage under a sparsifier: each coordinate's late gradient applied as the momentum would have
+applied it on time.
 
 Top-k with error feedback holds a coordinate back until its accumulated value is among the largest, then
-releases it: gradient mass reaches the optimizer late, and a late gradient acts as momentum of its own
-(asynchronous SGD's "implicit momentum", Mitliagkas et al., 2016). On top of SGD's explicit momentum 0.9
-that surplus left top-k 9 % above dense held-out loss on both transformers of the convergence study.
-While a parameter's group is compressed, this stage gives its SGD update a momentum ``beta'`` whose own
-mean delay ``beta' / (1 - beta')`` is the explicit one's, ``beta / (1 - beta)``, less :func:`delay_at`
-(:data:`DELAY_STEPS` at top-k 1 %, less for a denser payload; a share of it below momentum 0.9, :func:`memory_share`),
-at the same step size for a steady gradient (``lr / (1 - beta)``). Written in the
-optimizer's own buffer (``b``, its units unchanged, so dense steps, checkpoints and a switch back go on as
-they would)::
+releases it: ``a`` steps of its gradient reach the optimizer at once, late. SGD's momentum, run after the
+exchange on the average, would then spread that burst over its own memory (about ten steps at 0.9), on top of
+the wait: a delayed gradient acts as momentum of its own (Mitliagkas et al., 2016), and at a constant rate the
+two delays together broke a model the study never tuned for (``experiments/results/research-heldout-teacher/``).
 
-    k = (1 - beta') / (1 - beta)
-    b <- beta' * b + k * (1 - dampening) * d        d = g (+ weight_decay * p); -g when maximizing
-    p <- p - lr * b                                 Nesterov: p <- p - lr * (k * d + beta' * b)
+This stage takes the burst ``r`` of a coordinate that waited ``a`` steps as ``a`` equal gradients ``r / a`` of
+ages ``1..a`` and applies it as dense SGD-momentum would have applied them by now: the buffer takes what would be
+left of them, the parameter moves by what would already have been applied. Per element, with ``c = S1(a) / a``
+and ``S1(a) = (1 - beta^a) / (1 - beta)``::
 
-which is torch's SGD with momentum ``beta'`` and learning rate ``k * lr`` on a buffer kept ``k`` times
-larger. ``k`` is also how much harder than dense SGD-momentum the step answers a new gradient, which is what
-bounds the delay given up at the peak rate (charlm-small runs near SGD's stability edge there). Once the
-rate has fallen below the run's peak so far, the stage gives up more, as far as ``k * lr`` stays within
-what it was at the peak (:func:`stable_delay`).
+    d = c * r (+ weight_decay * p)               r: the average, -grad when maximizing
+    b <- beta * b + (1 - dampening) * d          torch's SGD step on d (Nesterov too)
+    p <- p - lr * b
+    p <- p - lr * (1 - dampening) * (1 - c) / (1 - beta) * r      the catch-up
+
+A coordinate sent every step has ``a = 1``, ``c = 1``: torch's own step. One that waited long has ``c`` near 0:
+its burst is applied at once, as plain SGD at ``lr / (1 - beta)``. ``a`` is the number of steps since the
+coordinate was last nonzero in the average (1 when it was nonzero at the last step), which every rank reads alike
+from the average it holds; a dense step resets it. Nothing is a constant of a model: measured (SGD-momentum,
+top-k, the study's loops, ``experiments/results/research-shapes-sgd-seeds/``), it took the teacher MLP from
++1430 % above dense's held-out loss to +0.5 %, the shapes CNN from two seeds of six reaching dense's quality to
+five, and the GPT and charlm-small from +3.0 % and +0.9 % to -1.5 % and -1.0 % (seed 0), where a delay given up
+from the whole momentum helped the language models and broke the CNN.
 
 ``.grad`` is not changed: it holds the average gradient, as the loop left it (clipped, unscaled); the update runs
 in a step pre-hook, like :class:`~gradcomp.optim.FrozenVarianceAdam`'s, which clears the ``.grad`` of the
 parameters it stepped so that the optimizer's own step leaves them alone, and puts it back after the step.
 Parameters whose group went dense this step (the dense start, a policy's dense choice, groups under ``min_numel``)
-take the optimizer's own step.
+or went by a quantizer (every coordinate every step) take the optimizer's own step.
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, Hashable, Iterable, List, Tuple
 
 import torch
 
+from gradcomp.optim.delay import held_back_density
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
-__all__ = ["DelayedMomentumSGD", "DELAY_STEPS", "DELAY_DENSITY", "DELAY_MOMENTUM", "compressed_momentum",
-           "delay_at", "held_back_density", "memory_share", "stable_delay"]
+__all__ = ["DelayedMomentumSGD", "MAX_WAIT"]
 
-#: The mean delay, in steps, that error feedback adds at top-k density :data:`DELAY_DENSITY`, which the momentum
-#: gives up (0.9 becomes 0.8: a mean delay of 4 steps in place of 9). Screened on the GPT and charlm-small under
-#: SGD-momentum 0.9, top-k 1 % (``experiments/results/research-topk-momentum/``): 5 steps (0.8) took both from
-#: +9 % to +1.6-2.4 % above dense's held-out loss (with the density scaling below, +3.7 % and +4.6 % in the
-#: study); 8 steps (0.5) closed the GPT's gap but broke charlm-small, which runs near SGD's stability edge (a
-#: shorter memory answers a gradient with a larger first step); 9 (0) no better on the GPT. Little's law, measured in
-#: both runs (the residual's mass over the gradient's per step), gives the same 1-5 steps over the ramp. The same
-#: constant shortens Adam's first moment under top-k (:class:`~gradcomp.optim.FrozenVarianceAdam`; screened on the
-#: main job's cell, ``experiments/results/research-topk-adam/``, and validated on the study's five workloads).
-DELAY_STEPS = 5.0
-#: The density :data:`DELAY_STEPS` was measured at. A denser payload holds coordinates back for less: the delay
-#: given up at density ``rho`` is ``DELAY_STEPS * log(1/rho) / log(1/DELAY_DENSITY)``, at most ``DELAY_STEPS``
-#: (a coordinate waits about as long as it takes to rank among the top ``rho`` share). With the whole 5 steps
-#: from the ramp's first density (1/8) on, the CNN of the study (shapes) diverged 16 steps after its dense start.
-DELAY_DENSITY = 0.01
-#: The momentum :data:`DELAY_STEPS` was screened at (a memory of 9 steps). A shorter memory gives up the same share
-#: of itself (:func:`memory_share`), a longer one no more than the screened steps. At momentum 0.8 and twice the rate
-#: (the same steady step) the whole 4.25 steps at 2 % leave none of its 4 steps: compressed steps are plain SGD
-#: answering a new gradient 5x harder: the GPT ended +4.8 / +3.6 % above that loop's dense (seeds 0, 1), +3.8 / +2.6 %
-#: giving up half its memory plus a step, +3.2 / +2.9 % none, +1.5 / +1.8 % the same share as at 0.9 (proselm +0.5
-#: against +0.3 %; ``experiments/results/research-shapes-sgd-seeds/momentum08/``). The CNN of the study (shapes), at
-#: its stability edge there, breaks one seed of three under either law and does best giving up nothing.
-DELAY_MOMENTUM = 0.9
-
-
-def delay_at(density: float, delay_steps: float = DELAY_STEPS) -> float:
-    """The delay, in steps, given up on a step compressed at ``density`` (see :data:`DELAY_DENSITY`)."""
-    if not 0 < density < 1:
-        return 0.0
-    return delay_steps * min(1.0, math.log(1 / density) / math.log(1 / DELAY_DENSITY))
-
-
-def memory_share(beta: float) -> float:
-    """The share of :func:`delay_at`'s steps momentum ``beta`` gives up: ``min(1, m / m0)``, ``m = beta / (1 - beta)``
-    and ``m0`` :data:`DELAY_MOMENTUM`'s (1 at 0.9 and above, 4/9 at 0.8, 0 without momentum)."""
-    if not 0 < beta < 1:
-        return 0.0
-    return min(1.0, (beta / (1.0 - beta)) / (DELAY_MOMENTUM / (1.0 - DELAY_MOMENTUM)))
-
-
-def stable_delay(delay: float, beta: float, rate_ratio: float) -> float:
-    """The delay given up at a learning rate ``rate_ratio`` (>= 1) times below the run's peak so far: ``delay``
-    at the peak and more below it, as far as the step's answer to a new gradient, ``k * lr`` with
-    ``k = (1 + m) / (1 + m - D)``, ``m = beta / (1 - beta)``, stays within its value at the peak:
-    ``D = 1 + m - (1 + m - delay) / rate_ratio``, at most ``m`` (plain SGD). Measured under SGD-momentum
-    top-k 1 %, seed 0, against the fixed delay (the loops' cosine decay to a tenth of the peak): charlm-small
-    +2.4 % above dense's held-out loss against +4.4 %, the GPT +3.2 % against +4.3 %, proselm +0.3 % against
-    +0.8 %, digits-mlp and shapes within 0.1 accuracy points of dense (as before)
-    (``experiments/results/research-topk-momentum/``)."""
-    if delay <= 0 or beta <= 0 or rate_ratio <= 1:
-        return max(0.0, delay)  # at the peak: the density's delay as it is (compressed_momentum caps it at m)
-    m = beta / (1.0 - beta)
-    return min(m, max(delay, 1.0 + m - (1.0 + m - delay) / rate_ratio))
-
-
-def held_back_density(compressor) -> float:
-    """The density at which a group compressed by ``compressor`` is held back: a sparsifier's ``density`` (a
-    per-parameter payload's, its base's); 1 (nothing held back) for a quantizer, which sends every coordinate
-    every step, and for ``None`` (a dense step).
-
-    Every parameter of the group gives up the delay, those a per-parameter payload sends whole (under
-    ``min_numel``) too: their update joins the delayed ones of the same step. Measured with those keeping
-    the user's momentum instead (AdamW, top-k 1 %, 2000 steps): charlm-small +0.8 / +1.9 / +2.0 % above dense
-    (seeds 0-2) against +0.7 / +1.6 / +1.4 %, the GPT -1.6 % against -2.0 %, proselm unchanged."""
-    if compressor is None or not compressor.sparsifies:
-        return 1.0
-    return getattr(compressor.unwrapped(), "density", 1.0)
-
-
-def compressed_momentum(beta: float, delay_steps: float = DELAY_STEPS) -> float:
-    """``beta'`` with ``beta' / (1 - beta') = max(0, beta / (1 - beta) - delay_steps)`` (``0 <= beta < 1``);
-    ``beta`` itself, bit for bit, when nothing is given up."""
-    if delay_steps <= 0:
-        return beta
-    left = max(0.0, beta / (1.0 - beta) - delay_steps)
-    return left / (1.0 + left)
+#: The longest wait a coordinate's count holds (int16); past it a burst is taken as this many steps old, which
+#: changes ``c`` by less than ``beta ** MAX_WAIT`` relative to the true count's.
+MAX_WAIT = 32767
 
 
 class DelayedMomentumSGD:
@@ -124,9 +55,11 @@ class DelayedMomentumSGD:
     Args:
         optimizer: the user's SGD (momentum > 0 in at least one group); read at every step, never copied.
         named_parameters: ``(name, parameter)`` of the averaged parameters (the engine's keys).
-        delay_steps: :data:`DELAY_STEPS`.
         step_hook: register the pre-/post-step hooks (an integration whose ``step()`` averages first, the
             Horovod optimizer, passes ``False`` and calls :meth:`before_optimizer_step` itself).
+
+    State: :attr:`waits`, name -> int16 tensor of the parameter's shape, the steps since each coordinate was
+    last nonzero in the average (kept while the parameter's group is compressed; the same on every rank).
     """
 
     #: The engine's ``suspended`` slot (a policy then keeps every group dense): never. The stage has no
@@ -134,19 +67,15 @@ class DelayedMomentumSGD:
     #: check for it.
     suspended = False
 
-    def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
-                 delay_steps: float = DELAY_STEPS, step_hook: bool = True):
+    def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], step_hook: bool = True):
         if not isinstance(optimizer, torch.optim.SGD):
             raise TypeError(f"DelayedMomentumSGD needs torch.optim.SGD, got {type(optimizer).__name__}")
-        if not float(delay_steps) >= 0:
-            raise ValueError(f"delay_steps must be >= 0, got {delay_steps!r}")
-        self.optimizer, self.delay_steps = optimizer, float(delay_steps)
+        self.optimizer = optimizer
         self.names: Dict[Hashable, torch.nn.Parameter] = dict(unwrapped_names(named_parameters))
-        # The density of each name whose group a sparsifier compressed in this step's exchange (after_compress).
-        self._compressed: Dict[Hashable, float] = {}
+        self.waits: Dict[Hashable, torch.Tensor] = {}
+        # The names whose group a sparsifier compressed in this step's exchange (after_compress).
+        self._compressed: set = set()
         self._cleared: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
-        # The highest learning rate each param group has stepped at (every step, dense ones too), for stable_delay.
-        self._peak_lr: List[float] = []
         if step_hook:
             optimizer.register_step_pre_hook(after_closure(self.before_optimizer_step))
             optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step())
@@ -161,69 +90,78 @@ class DelayedMomentumSGD:
         return grad
 
     def dense(self, keys, numels, grad: torch.Tensor) -> torch.Tensor:
-        for key in keys:
-            self._compressed.pop(key, None)
+        self._compressed.difference_update(keys)
         return grad
 
     def after_compress(self, keys, payload, compressor, numel: int) -> None:
-        """Record ``keys`` as compressed this step where ``compressor`` holds them back (a quantizer, which a
-        policy may pick for a group, sends every coordinate every step: no delay to give up)."""
-        density = held_back_density(compressor)
-        for key in keys:
-            self._compressed[key] = density
+        """Record ``keys`` as compressed this step where ``compressor`` holds coordinates back (a quantizer, which
+        a policy may pick for a group, sends every coordinate every step: nothing waits)."""
+        if held_back_density(compressor) < 1:
+            self._compressed.update(keys)
+        else:
+            self._compressed.difference_update(keys)
 
     # -- the optimizer's step ------------------------------------------------------------------
     @torch.no_grad()
     def before_optimizer_step(self) -> None:
-        """The shortened-momentum update of every parameter compressed this step (before the optimizer's own
-        step); mutates the parameter and its ``momentum_buffer`` and clears its ``grad`` until
-        :meth:`after_optimizer_step`. Parameters of a param group held back alike step together, through
-        torch's multi-tensor ops (as torch's own SGD does): one call per operation, not per parameter."""
-        compressed = {id(self.names[key]): density for key, density in self._compressed.items() if key in self.names}
+        """The catch-up step of every parameter compressed this step (before the optimizer's own step); mutates
+        the parameter, its ``momentum_buffer`` and its wait, and clears its ``grad`` until
+        :meth:`after_optimizer_step`. A parameter not compressed this step drops its wait (everything was sent).
+        The parameters of a param group step together, through torch's multi-tensor ops."""
+        compressed = {id(self.names[key]): key for key in self._compressed if key in self.names}
         self._compressed.clear()
         self._cleared = []
-        delays = {density: delay_at(density, self.delay_steps) for density in set(compressed.values())}
-        for index, group in enumerate(self.optimizer.param_groups):
-            ratio, beta = self._rate_ratio(index, float(group["lr"])), float(group["momentum"])
-            if beta <= 0:
+        for key in [key for key in self.waits if id(self.names[key]) not in compressed]:
+            del self.waits[key]
+        for group in self.optimizer.param_groups:
+            params = [p for p in group["params"] if id(p) in compressed and p.grad is not None]
+            if float(group["momentum"]) <= 0 or not params:
                 continue
-            alike: Dict[float, List[torch.nn.Parameter]] = {}
-            for param in group["params"]:
-                delay = delays.get(compressed.get(id(param)), 0.0)
-                if param.grad is not None and delay > 0:
-                    alike.setdefault(delay, []).append(param)
-            for delay, params in alike.items():
-                fast = compressed_momentum(beta, stable_delay(delay * memory_share(beta), beta, ratio))
-                self._step(params, group, fast, (1 - fast) / (1 - beta))
-                self._cleared += [(param, param.grad) for param in params]
-                for param in params:
-                    param.grad = None
+            keys = [compressed[id(p)] for p in params]
+            waits = [self.waits.setdefault(key, torch.zeros(p.shape, dtype=torch.int16, device=p.device))
+                     for key, p in zip(keys, params)]
+            self._step(params, group, waits)
+            self._cleared += [(param, param.grad) for param in params]
+            for param in params:
+                param.grad = None
 
-    def _rate_ratio(self, index: int, lr: float) -> float:
-        """The peak learning rate param group ``index`` has stepped at, over ``lr`` (>= 1); records ``lr``."""
-        if index == len(self._peak_lr):
-            self._peak_lr.append(lr)
-        self._peak_lr[index] = peak = max(self._peak_lr[index], lr)
-        return peak / lr if lr > 0 else 1.0
-
-    def _step(self, params: List[torch.nn.Parameter], group: dict, fast: float, k: float) -> None:
-        """One shortened-momentum step of ``params`` (their ``grad`` read, not mutated)."""
+    def _step(self, params: List[torch.nn.Parameter], group: dict, waits: List[torch.Tensor]) -> None:
+        """One catch-up step of ``params`` (their ``grad`` read, not mutated; ``waits`` mutated)."""
+        beta, lr, damped = float(group["momentum"]), float(group["lr"]), 1.0 - float(group["dampening"])
         grads = [param.grad for param in params]
-        d = torch._foreach_neg(grads) if group.get("maximize") else grads
+        r = torch._foreach_neg(grads) if group.get("maximize") else grads
+        torch._foreach_clamp_max_(waits, MAX_WAIT - 1)
+        torch._foreach_add_(waits, 1)  # this step's gradient is 1 step old
+        ages = [wait.float() for wait in waits]
+        # c = (1 - beta^a) / ((1 - beta) a): beta and 1 - beta in float32, so that a = 1 gives c = 1 exactly
+        base = torch.tensor(beta, dtype=torch.float32)
+        c = [torch.pow(base.to(age.device), age) for age in ages]
+        torch._foreach_neg_(c)
+        torch._foreach_add_(c, 1.0)
+        torch._foreach_div_(c, float(1.0 - base))
+        torch._foreach_div_(c, ages)
+        d = torch._foreach_mul(r, c)
         if group["weight_decay"]:
-            d = torch._foreach_add(d, params, alpha=group["weight_decay"])
+            torch._foreach_add_(d, params, alpha=group["weight_decay"])
         states = [self.optimizer.state[param] for param in params]
         kept = [(state["momentum_buffer"], d_i) for state, d_i in zip(states, d)
                 if state.get("momentum_buffer") is not None]
         if kept:
-            torch._foreach_mul_([buf for buf, _ in kept], fast)
-            torch._foreach_add_([buf for buf, _ in kept], [d_i for _, d_i in kept], alpha=k * (1 - group["dampening"]))
-        for state, d_i in zip(states, d):
+            torch._foreach_mul_([buf for buf, _ in kept], beta)
+            torch._foreach_add_([buf for buf, _ in kept], [d_i for _, d_i in kept], alpha=damped)
+        for state, d_i, param in zip(states, d, params):
             if state.get("momentum_buffer") is None:  # torch starts the buffer at the first gradient, undamped
-                state["momentum_buffer"] = d_i.mul(k)
+                state["momentum_buffer"] = d_i.to(param.dtype, copy=True)
         bufs = [state["momentum_buffer"] for state in states]
-        step = torch._foreach_add(torch._foreach_mul(d, k), bufs, alpha=fast) if group["nesterov"] else bufs
-        torch._foreach_add_(params, step, alpha=-float(group["lr"]))
+        step = torch._foreach_add(d, bufs, alpha=beta) if group["nesterov"] else bufs
+        torch._foreach_add_(params, step, alpha=-lr)
+        # the catch-up: (1 - c) / (1 - beta) of the burst, what dense momentum would already have applied
+        torch._foreach_neg_(c)
+        torch._foreach_add_(c, 1.0)
+        torch._foreach_mul_(c, r)
+        torch._foreach_add_(params, c, alpha=-lr * damped / (1.0 - beta))
+        for wait, r_i in zip(waits, r):
+            wait.masked_fill_(r_i != 0, 0)
 
     def after_optimizer_step(self) -> None:
         """Put back the gradients :meth:`before_optimizer_step` cleared (each ``param.grad`` is mutated)."""
@@ -232,24 +170,38 @@ class DelayedMomentumSGD:
                 param.grad = grad
         self._cleared = []
 
-    # -- checkpoints: the stage's setting (its buffer lives in the optimizer's state) --------------
+    def reset(self) -> None:
+        """Forget every wait (the residuals were reset: nothing is held back)."""
+        self.waits.clear()
+
+    # -- checkpoints: the waits (the buffers live in the optimizer's state) -----------------------
     def state_dict(self) -> dict:
-        return {"delay_steps": self.delay_steps, "peak_lr": list(self._peak_lr)}
+        """``{"waits": {name: int16 tensor}}`` on CPU, the same on every rank."""
+        return {"waits": {key: wait.to("cpu", copy=True) for key, wait in self.waits.items()}}
 
     def prepare_load(self, state_dict: dict):
-        """Check ``state_dict`` against this stage (raises ``ValueError``, changing nothing); returns the
-        assignment of the peak learning rates (the stage's buffers are the optimizer's, restored with its own
-        state dict). A state without ``peak_lr`` (saved before the stage kept it) restarts the peaks at the
-        resumed rates."""
-        if not isinstance(state_dict, dict) or state_dict.get("delay_steps") != self.delay_steps:
-            raise ValueError(f"the checkpoint's stage state {state_dict!r} is not this run's "
-                             f"DelayedMomentumSGD(delay_steps={self.delay_steps!r})")
-        peaks = state_dict.get("peak_lr", [])
-        if not isinstance(peaks, list) or not all(isinstance(p, float) and p >= 0 for p in peaks):
-            raise ValueError(f"the checkpoint's peak learning rates {peaks!r} are not a list of floats >= 0")
+        """Check ``state_dict`` against this stage (raises ``ValueError``, changing nothing); returns the function
+        that assigns it. A state saved before the stage kept waits (``delay_steps``, ``peak_lr``: the momentum it
+        shortened then) loads with none: each held-back coordinate's next burst is taken as one step old."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"the checkpoint's stage state {state_dict!r} is not DelayedMomentumSGD's")
+        if "waits" not in state_dict and "delay_steps" in state_dict:
+            state_dict = {"waits": {}}
+        waits = state_dict.get("waits")
+        if not isinstance(waits, dict) or set(state_dict) != {"waits"}:
+            raise ValueError(f"the checkpoint's stage state has keys {sorted(state_dict)}, DelayedMomentumSGD's "
+                             "{'waits': {name: int16 tensor}}")
+        for key, wait in waits.items():
+            param = self.names.get(key)
+            if param is None:
+                raise ValueError(f"the checkpoint's stage state has a wait for {key!r}, which is no parameter here")
+            if (not isinstance(wait, torch.Tensor) or wait.dtype != torch.int16 or wait.shape != param.shape
+                    or bool((wait < 0).any())):
+                raise ValueError(f"the checkpoint's wait for {key!r} is not an int16 tensor >= 0 of shape "
+                                 f"{tuple(param.shape)}")
 
         def assign() -> None:
-            self._peak_lr = list(peaks)
+            self.waits = {key: wait.to(self.names[key].device, copy=True) for key, wait in waits.items()}
 
         return assign
 
@@ -257,4 +209,4 @@ class DelayedMomentumSGD:
         self.prepare_load(state_dict)()
 
     def __repr__(self) -> str:
-        return f"DelayedMomentumSGD(delay_steps={self.delay_steps!r})"
+        return "DelayedMomentumSGD()"

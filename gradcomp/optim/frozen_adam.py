@@ -22,7 +22,7 @@ The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrang
      moments (in gradient units) and ``exp_avg`` becomes it. A top-k coordinate waits many steps in
      the residual; the momentum's own delay then passes during that wait instead of after it
      (charlm-small, AdamW, top-k 1%, 600 steps: +5.7% held-out loss over dense, +11.6% exchanging the gradient).
-     The wait is a delay of its own, which ``b1'`` gives up as SGD's stage does (:mod:`.delayed_momentum`):
+     The wait is a delay of its own, which ``b1'`` gives up (:mod:`.delay`):
      ``b1' / (1 - b1') = b1 / (1 - b1) - delay_at(density)``, 0.9 becoming 0.8 at top-k 1 %, the steady state
      unchanged; a shorter ``b1`` gives up the same share of its memory (``memory_share``: 0.8 becomes 0.64 at 1 %).
 
@@ -61,7 +61,7 @@ from gradcomp.optim.adam_settings import (
     decoupled_weight_decay,
     optimizer_settings,
 )
-from gradcomp.optim.delayed_momentum import DELAY_STEPS
+from gradcomp.optim.delay import DELAY_STEPS
 from gradcomp.optim.freeze_gate import FreezeGate
 from gradcomp.optim.frozen_adam_load import prepare_load, state_dict
 from gradcomp.optim.frozen_units import group_divisor, next_moments
@@ -84,7 +84,7 @@ class FrozenVarianceAdam:
         freeze_step: optimizer steps of plain Adam before the variance freezes (>= 1).
         exchange: ``"gradient"`` or ``"momentum"`` (see the module docstring).
         delay_steps: with ``exchange="momentum"``, the delay the first moment gives up on a step a sparsifier
-            compresses at density 1 % (:data:`~gradcomp.optim.delayed_momentum.DELAY_STEPS`; 0: ``b1`` as it is).
+            compresses at density 1 % (:data:`~gradcomp.optim.delay.DELAY_STEPS`; 0: ``b1`` as it is).
         variance_floor: floor of a frozen ``sqrt(v_hat)`` as a fraction of the tensor's mean.
         bounded: scale back a frozen step whose root mean square passes 1 (the module docstring's point 4).
         latest_freeze: from ``freeze_step`` on, the freeze waits while a param group's learning rate still

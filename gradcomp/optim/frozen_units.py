@@ -11,7 +11,7 @@ from typing import Dict, Hashable, List, Optional, Tuple
 import torch
 
 from gradcomp.optim.adam_settings import decoupled_weight_decay
-from gradcomp.optim.delayed_momentum import compressed_momentum, delay_at, held_back_density, memory_share
+from gradcomp.optim.delay import compressed_momentum, delay_at, held_back_density, memory_share
 
 __all__ = ["next_moments", "group_divisor"]
 

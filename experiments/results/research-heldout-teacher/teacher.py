@@ -7,8 +7,9 @@ Usage, from the repository root: ``PYTHONPATH=. python experiments/results/resea
 spec (``topk``, ``twobit``, ``topk:0.05``), or ``SPEC@parameter``: the recipe with ``granularity="parameter"``
 (each parameter's own top-k) in place of its choice. Probes, not gradcomp: ``--momentum M --lr L`` for SGD's
 (default 0.9 and 0.05), ``--cosine`` (the rate decayed to 0 over the run, the scheduler given to the recipe),
-``--delay D``: ``DelayedMomentumSGD`` gives up ``D`` steps of the momentum's memory on
-every compressed step (``delay_at`` replaced; 9 leaves none of momentum 0.9's: plain SGD at 10x the rate).
+``--delay D`` (gradcomp at 8498836 and before, whose stage shortened the momentum): ``DelayedMomentumSGD`` gives up
+``D`` steps of the momentum's memory on every compressed step (``delay_at`` replaced; 9 leaves none of momentum
+0.9's: plain SGD at 10x the rate).
 """
 import argparse
 import os
@@ -28,6 +29,9 @@ def held_out(rank: int, optimizer_name: str, method: str, seed: int, args) -> fl
     import gradcomp.optim.delayed_momentum as delayed
 
     if args.delay is not None:
+        if not hasattr(delayed, "delay_at"):
+            raise SystemExit("--delay probes the stage that shortened the momentum (gradcomp at 8498836 and before); "
+                             "the stage since catches up each coordinate's late gradient instead")
         delayed.delay_at = lambda density, delay_steps=None: args.delay if 0 < density < 1 else 0.0
     steps = args.steps
 
