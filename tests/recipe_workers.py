@@ -59,7 +59,7 @@ class Run:
         if kind == "adamw":
             exchange = "momentum" if compressor.sparsifies else "gradient"
             transform = FrozenVarianceAdam(self.optimizer, named, freeze_step=dense_steps, exchange=exchange)
-        elif compressor.sparsifies:  # top-k under SGD-momentum: the momentum shortened on compressed steps
+        elif compressor.sparsifies:  # top-k under SGD-momentum: each coordinate's late gradient caught up
             transform = DelayedMomentumSGD(self.optimizer, named)
         self.scheduler = self._scheduler()
         # the recipe's top-k under SGD selects over the whole group
