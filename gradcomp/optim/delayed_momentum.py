@@ -57,8 +57,8 @@ def share_table(beta: float, device: torch.device) -> torch.Tensor:
     """``c`` of every wait ``a`` in ``0..MAX_WAIT`` (float32 ``[MAX_WAIT + 1]``, read-only): the share of a burst
     that dense momentum would have left in its buffer, per element of the burst, ``(1 - beta^a) / ((1 - beta) a)``
     (``a = 0`` reads 0), ``beta`` and ``1 - beta`` in float32 so that ``a = 1`` gives ``c = 1`` exactly. Once per
-    momentum: a power per element and step cost ten times the rest of the step (7 ms on 281,568 elements, one
-    thread; the table's lookup 0.3 ms), and the values are the power's, bit for bit."""
+    momentum: a power per element and step was most of the stage's step (281,568 elements, one thread, informal),
+    and the values are the power's, bit for bit."""
     base = torch.tensor(beta, dtype=torch.float32)
     ages = torch.arange(MAX_WAIT + 1, dtype=torch.float32)
     shares = torch.pow(base, ages).neg_().add_(1.0).div_(float(1.0 - base)).div_(ages)
@@ -177,8 +177,8 @@ class DelayedMomentumSGD:
 
     def _saturate(self) -> None:
         """Keep every wait below :data:`MAX_WAIT` (int16): a wait grows by at most one a step, so a clamp every
-        :data:`SATURATE_EVERY` steps to ``MAX_WAIT - SATURATE_EVERY`` suffices (a clamp a step cost a third of the
-        stage's step on 28 tensors); a loaded checkpoint's waits are clamped at the next step."""
+        :data:`SATURATE_EVERY` steps to ``MAX_WAIT - SATURATE_EVERY`` suffices (an int16 clamp is one op per
+        tensor); a loaded checkpoint's waits are clamped at the next step."""
         self._since_clamp += 1
         if self._since_clamp >= SATURATE_EVERY:
             torch._foreach_clamp_max_(list(self.waits.values()), MAX_WAIT - SATURATE_EVERY)
