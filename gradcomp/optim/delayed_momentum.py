@@ -131,13 +131,16 @@ class DelayedMomentumSGD:
         self._cleared = []
         for key in [key for key in self.waits if id(self.names[key]) not in compressed]:
             del self.waits[key]
+        self._saturate()
         for group in self.optimizer.param_groups:
             params = [p for p in group["params"] if id(p) in compressed and p.grad is not None]
             if float(group["momentum"]) <= 0 or not params:
                 continue
             keys = [compressed[id(p)] for p in params]
-            waits = [self.waits.setdefault(key, torch.zeros(p.shape, dtype=torch.int16, device=p.device))
-                     for key, p in zip(keys, params)]
+            for key, p in zip(keys, params):
+                if key not in self.waits:  # allocated once, not at every step
+                    self.waits[key] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+            waits = [self.waits[key] for key in keys]
             self._step(params, group, waits)
             self._cleared += [(param, param.grad) for param in params]
             for param in params:
@@ -148,7 +151,6 @@ class DelayedMomentumSGD:
         beta, lr, damped = float(group["momentum"]), float(group["lr"]), 1.0 - float(group["dampening"])
         grads = [param.grad for param in params]
         r = torch._foreach_neg(grads) if group.get("maximize") else grads
-        self._saturate()
         torch._foreach_add_(waits, 1)  # this step's gradient is 1 step old
         table = share_table(beta, params[0].device)
         c = [table.index_select(0, wait.view(-1).int()).view(wait.shape) for wait in waits]
