@@ -183,7 +183,8 @@ class DelayedMomentumSGD:
         tensor); a loaded checkpoint's waits are clamped at the next step."""
         self._since_clamp += 1
         if self._since_clamp >= SATURATE_EVERY:
-            torch._foreach_clamp_max_(list(self.waits.values()), MAX_WAIT - SATURATE_EVERY)
+            if self.waits:  # waits made after this start at 0
+                torch._foreach_clamp_max_(list(self.waits.values()), MAX_WAIT - SATURATE_EVERY)
             self._since_clamp = 0
 
     def after_optimizer_step(self) -> None:
