@@ -9,7 +9,7 @@ import torch
 
 from gradcomp.compressors import ThreeBit, TopK
 from gradcomp.optim import DelayedMomentumSGD
-from gradcomp.optim.delayed_momentum import MAX_WAIT
+from gradcomp.optim.catch_up import MAX_WAIT
 
 SETTINGS = [dict(momentum=0.9), dict(momentum=0.9, weight_decay=1e-2), dict(momentum=0.9, nesterov=True),
             dict(momentum=0.9, dampening=0.3), dict(momentum=0.95, maximize=True, weight_decay=1e-3),
@@ -49,8 +49,8 @@ def test_a_coordinate_sent_every_step_takes_torchs_own_sgd_step(settings):
             _compressed(stage, model)
         optimizer.step(), reference.step()
         assert all(p.grad is g and torch.equal(g, c) for p, g, c in zip(model.parameters(), seen, kept))
-        assert all(not bool(w.any()) for w in stage.waits.values())
-    assert set(stage.waits) == {n for n, _ in model.named_parameters()}
+        assert all(not bool(w.any()) for w in stage.catch_up.waits.values())
+    assert set(stage.catch_up.waits) == {n for n, _ in model.named_parameters()}
     group = optimizer.param_groups[0]
     assert group["lr"] == 0.05 and group["momentum"] == settings["momentum"]
     for p, q in zip(model.parameters(), plain.parameters()):
@@ -79,9 +79,9 @@ def test_a_burst_after_a_wait_lands_where_dense_momentum_would_have_put_the_same
         stage.after_compress(["w"], None, TopK(0.01), 0)
         optimizer.step(), reference.step()
         if step < wait:
-            assert stage.waits["w"].tolist() == [0, step]
+            assert stage.catch_up.waits["w"].tolist() == [0, step]
             torch.testing.assert_close(p[0], q[0])
-    assert stage.waits["w"].tolist() == [0, 0]
+    assert stage.catch_up.waits["w"].tolist() == [0, 0]
     torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(optimizer.state[p]["momentum_buffer"], reference.state[q]["momentum_buffer"],
                                rtol=1e-5, atol=1e-6)
@@ -123,13 +123,13 @@ def test_the_multi_tensor_step_is_the_formula_one_element_at_a_time(settings):
                 twin[name] = _formula(twin[name][0], twin[name][1], param.grad.double(), a, group)
                 counts[name] = torch.where(param.grad != 0, torch.zeros_like(a), a)
         optimizer.step()
-        assert set(stage.waits) == ({"0.weight", "0.bias"} if step > 0 else {"0.weight"})  # not a quantizer's
+        assert set(stage.catch_up.waits) == ({"0.weight", "0.bias"} if step > 0 else {"0.weight"})  # not a quantizer's
     for name, param in named.items():
         torch.testing.assert_close(param.double(), twin[name][0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(optimizer.state[param]["momentum_buffer"].double(), twin[name][1], rtol=1e-5,
                                    atol=1e-6)
-        if name in stage.waits:
-            assert torch.equal(stage.waits[name].double(), counts[name]), name
+        if name in stage.catch_up.waits:
+            assert torch.equal(stage.catch_up.waits[name].double(), counts[name]), name
 
 
 def test_a_wait_saturates_at_max_wait_and_a_long_burst_is_applied_as_plain_sgd_at_lr_over_one_minus_beta():
@@ -137,13 +137,13 @@ def test_a_wait_saturates_at_max_wait_and_a_long_burst_is_applied_as_plain_sgd_a
     optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
     stage = DelayedMomentumSGD(optimizer, [("w", p)])
     optimizer.state[p]["momentum_buffer"] = torch.zeros(1)
-    stage.waits["w"] = torch.full((1,), MAX_WAIT, dtype=torch.int16)
+    stage.catch_up.waits["w"] = torch.full((1,), MAX_WAIT, dtype=torch.int16)
     p.grad = torch.ones(1)
     stage.after_compress(["w"], None, TopK(0.01), 0)
     optimizer.step()
     # c = 10 / MAX_WAIT: the buffer takes almost nothing, the parameter moves by almost lr / (1 - beta)
     torch.testing.assert_close(p, torch.tensor([-1.0]), rtol=1e-3, atol=0)
-    assert stage.waits["w"].tolist() == [0] and stage.waits["w"].dtype == torch.int16
+    assert stage.catch_up.waits["w"].tolist() == [0] and stage.catch_up.waits["w"].dtype == torch.int16
 
 
 def test_a_step_with_a_closure_runs_the_stage_on_the_closures_gradients():
@@ -151,7 +151,7 @@ def test_a_step_with_a_closure_runs_the_stage_on_the_closures_gradients():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     reference = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
     stage = DelayedMomentumSGD(optimizer, model.named_parameters())
-    stage.waits = {n: torch.full(p.shape, 3, dtype=torch.int16) for n, p in model.named_parameters()}
+    stage.catch_up.waits = {n: torch.full(p.shape, 3, dtype=torch.int16) for n, p in model.named_parameters()}
     x = torch.randn(4, 6)
 
     def closure_of(net, opt):
@@ -194,14 +194,14 @@ def test_its_checkpoint_is_its_waits_and_a_resumed_stage_steps_as_the_uninterrup
         runs.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     stage.load_state_dict({"delay_steps": 5.0, "peak_lr": [0.05]})
-    assert stage.waits == {}
-    stage.waits = {"0.bias": torch.ones(5, dtype=torch.int16)}
+    assert stage.catch_up.waits == {}
+    stage.catch_up.waits = {"0.bias": torch.ones(5, dtype=torch.int16)}
     for bad in ({"waits": {"nope": torch.zeros(5, dtype=torch.int16)}}, {"waits": {"0.bias": torch.zeros(4)}},
                 {"waits": {"0.bias": torch.full((5,), -1, dtype=torch.int16)}}, {"waits": {}, "extra": 1}, [1]):
         with pytest.raises(ValueError, match="checkpoint"):
             stage.prepare_load(bad)
-        assert list(stage.waits) == ["0.bias"] and stage.waits["0.bias"].tolist() == [1] * 5
+        assert list(stage.catch_up.waits) == ["0.bias"] and stage.catch_up.waits["0.bias"].tolist() == [1] * 5
     stage.reset()
-    assert stage.waits == {}
+    assert stage.catch_up.waits == {}
     with pytest.raises(TypeError, match="torch.optim.SGD"):
         DelayedMomentumSGD(torch.optim.Adam(model.parameters()), model.named_parameters())

@@ -34,36 +34,15 @@ or went by a quantizer (every coordinate every step) take the optimizer's own st
 """
 from __future__ import annotations
 
-import functools
 from typing import Dict, Hashable, Iterable, List, Tuple
 
 import torch
 
-from gradcomp.optim.delay import held_back_density
+from gradcomp.optim.catch_up import Waits
 from gradcomp.optim.step_hook import after_closure
 from gradcomp.setup import unwrapped_names
 
-__all__ = ["DelayedMomentumSGD", "MAX_WAIT", "SATURATE_EVERY"]
-
-#: The longest wait a coordinate's count holds (int16); past it a burst is taken as this many steps old, which
-#: changes ``c`` by less than ``beta ** MAX_WAIT`` relative to the true count's.
-MAX_WAIT = 32767
-#: Steps between two clamps of the waits (:meth:`DelayedMomentumSGD._saturate`).
-SATURATE_EVERY = 1024
-
-
-@functools.lru_cache(maxsize=16)
-def share_table(beta: float, device: torch.device) -> torch.Tensor:
-    """``c`` of every wait ``a`` in ``0..MAX_WAIT`` (float32 ``[MAX_WAIT + 1]``, read-only): the share of a burst
-    that dense momentum would have left in its buffer, per element of the burst, ``(1 - beta^a) / ((1 - beta) a)``
-    (``a = 0`` reads 0), ``beta`` and ``1 - beta`` in float32 so that ``a = 1`` gives ``c = 1`` exactly. Once per
-    momentum: a power per element and step was most of the stage's step (281,568 elements, one thread, informal),
-    and the values are the power's, bit for bit."""
-    base = torch.tensor(beta, dtype=torch.float32)
-    ages = torch.arange(MAX_WAIT + 1, dtype=torch.float32)
-    shares = torch.pow(base, ages).neg_().add_(1.0).div_(float(1.0 - base)).div_(ages)
-    shares[0] = 0.0
-    return shares.to(device)
+__all__ = ["DelayedMomentumSGD"]
 
 
 class DelayedMomentumSGD:
@@ -75,8 +54,8 @@ class DelayedMomentumSGD:
         step_hook: register the pre-/post-step hooks (an integration whose ``step()`` averages first, the
             Horovod optimizer, passes ``False`` and calls :meth:`before_optimizer_step` itself).
 
-    State: :attr:`waits`, name -> int16 tensor of the parameter's shape, the steps since each coordinate was
-    last nonzero in the average (kept while the parameter's group is compressed; the same on every rank).
+    State: :attr:`catch_up`, the steps each coordinate of a compressed parameter has waited
+    (:class:`~gradcomp.optim.catch_up.Waits`, the same on every rank).
     """
 
     #: The engine's ``suspended`` slot (a policy then keeps every group dense): never. The stage has no
@@ -89,10 +68,7 @@ class DelayedMomentumSGD:
             raise TypeError(f"DelayedMomentumSGD needs torch.optim.SGD, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.names: Dict[Hashable, torch.nn.Parameter] = dict(unwrapped_names(named_parameters))
-        self.waits: Dict[Hashable, torch.Tensor] = {}
-        self._since_clamp = SATURATE_EVERY  # clamp at the first step (a loaded checkpoint's waits too)
-        # The names whose group a sparsifier compressed in this step's exchange (after_compress).
-        self._compressed: set = set()
+        self.catch_up = Waits()
         self._cleared: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         if step_hook:
             optimizer.register_step_pre_hook(after_closure(self.before_optimizer_step))
@@ -108,16 +84,13 @@ class DelayedMomentumSGD:
         return grad
 
     def dense(self, keys, numels, grad: torch.Tensor) -> torch.Tensor:
-        self._compressed.difference_update(keys)
+        self.catch_up.drop(keys)
         return grad
 
     def after_compress(self, keys, payload, compressor, numel: int) -> None:
         """Record ``keys`` as compressed this step where ``compressor`` holds coordinates back (a quantizer, which
         a policy may pick for a group, sends every coordinate every step: nothing waits)."""
-        if held_back_density(compressor) < 1:
-            self._compressed.update(keys)
-        else:
-            self._compressed.difference_update(keys)
+        self.catch_up.record(keys, compressor)
 
     # -- the optimizer's step ------------------------------------------------------------------
     @torch.no_grad()
@@ -126,34 +99,23 @@ class DelayedMomentumSGD:
         the parameter, its ``momentum_buffer`` and its wait, and clears its ``grad`` until
         :meth:`after_optimizer_step`. A parameter not compressed this step drops its wait (everything was sent).
         The parameters of a param group step together, through torch's multi-tensor ops."""
-        compressed = {id(self.names[key]): key for key in self._compressed if key in self.names}
-        self._compressed.clear()
+        compressed = {id(self.names[key]): key for key in self.catch_up.begin_step() if key in self.names}
         self._cleared = []
-        for key in [key for key in self.waits if id(self.names[key]) not in compressed]:
-            del self.waits[key]
-        self._saturate()
         for group in self.optimizer.param_groups:
             params = [p for p in group["params"] if id(p) in compressed and p.grad is not None]
             if float(group["momentum"]) <= 0 or not params:
                 continue
-            keys = [compressed[id(p)] for p in params]
-            for key, p in zip(keys, params):
-                if key not in self.waits:  # allocated once, not at every step
-                    self.waits[key] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
-            waits = [self.waits[key] for key in keys]
-            self._step(params, group, waits)
+            self._step(params, group, [compressed[id(p)] for p in params])
             self._cleared += [(param, param.grad) for param in params]
             for param in params:
                 param.grad = None
 
-    def _step(self, params: List[torch.nn.Parameter], group: dict, waits: List[torch.Tensor]) -> None:
-        """One catch-up step of ``params`` (their ``grad`` read, not mutated; ``waits`` mutated)."""
+    def _step(self, params: List[torch.nn.Parameter], group: dict, keys: List[Hashable]) -> None:
+        """One catch-up step of ``params`` (their ``grad`` read, not mutated; their waits, by ``keys``, advanced)."""
         beta, lr, damped = float(group["momentum"]), float(group["lr"]), 1.0 - float(group["dampening"])
         grads = [param.grad for param in params]
         r = torch._foreach_neg(grads) if group.get("maximize") else grads
-        torch._foreach_add_(waits, 1)  # this step's gradient is 1 step old
-        table = share_table(beta, params[0].device)
-        c = [table.index_select(0, wait.view(-1).int()).view(wait.shape) for wait in waits]
+        c = self.catch_up.shares(keys, params, beta)
         d = torch._foreach_mul(r, c)
         if group["weight_decay"]:
             torch._foreach_add_(d, params, alpha=group["weight_decay"])
@@ -174,18 +136,7 @@ class DelayedMomentumSGD:
         torch._foreach_add_(c, 1.0)
         torch._foreach_mul_(c, r)
         torch._foreach_add_(params, c, alpha=-lr * damped / (1.0 - beta))
-        for wait, r_i in zip(waits, r):  # a coordinate in the average waits no more
-            wait.mul_(r_i == 0)
-
-    def _saturate(self) -> None:
-        """Keep every wait below :data:`MAX_WAIT` (int16): a wait grows by at most one a step, so a clamp every
-        :data:`SATURATE_EVERY` steps to ``MAX_WAIT - SATURATE_EVERY`` suffices (an int16 clamp is one op per
-        tensor); a loaded checkpoint's waits are clamped at the next step."""
-        self._since_clamp += 1
-        if self._since_clamp >= SATURATE_EVERY:
-            if self.waits:  # waits made after this start at 0
-                torch._foreach_clamp_max_(list(self.waits.values()), MAX_WAIT - SATURATE_EVERY)
-            self._since_clamp = 0
+        self.catch_up.settle(keys, r)
 
     def after_optimizer_step(self) -> None:
         """Put back the gradients :meth:`before_optimizer_step` cleared (each ``param.grad`` is mutated)."""
@@ -196,12 +147,12 @@ class DelayedMomentumSGD:
 
     def reset(self) -> None:
         """Forget every wait (the residuals were reset: nothing is held back)."""
-        self.waits.clear()
+        self.catch_up.clear()
 
     # -- checkpoints: the waits (the buffers live in the optimizer's state) -----------------------
     def state_dict(self) -> dict:
         """``{"waits": {name: int16 tensor}}`` on CPU, the same on every rank."""
-        return {"waits": {key: wait.to("cpu", copy=True) for key, wait in self.waits.items()}}
+        return {"waits": self.catch_up.state_dict()}
 
     def prepare_load(self, state_dict: dict):
         """Check ``state_dict`` against this stage (raises ``ValueError``, changing nothing); returns the function
@@ -211,24 +162,10 @@ class DelayedMomentumSGD:
             raise ValueError(f"the checkpoint's stage state {state_dict!r} is not DelayedMomentumSGD's")
         if "waits" not in state_dict and "delay_steps" in state_dict:
             state_dict = {"waits": {}}
-        waits = state_dict.get("waits")
-        if not isinstance(waits, dict) or set(state_dict) != {"waits"}:
+        if set(state_dict) != {"waits"}:
             raise ValueError(f"the checkpoint's stage state has keys {sorted(state_dict)}, DelayedMomentumSGD's "
                              "{'waits': {name: int16 tensor}}")
-        for key, wait in waits.items():
-            param = self.names.get(key)
-            if param is None:
-                raise ValueError(f"the checkpoint's stage state has a wait for {key!r}, which is no parameter here")
-            if (not isinstance(wait, torch.Tensor) or wait.dtype != torch.int16 or wait.shape != param.shape
-                    or bool((wait < 0).any())):
-                raise ValueError(f"the checkpoint's wait for {key!r} is not an int16 tensor >= 0 of shape "
-                                 f"{tuple(param.shape)}")
-
-        def assign() -> None:
-            self.waits = {key: wait.to(self.names[key].device, copy=True) for key, wait in waits.items()}
-            self._since_clamp = SATURATE_EVERY
-
-        return assign
+        return self.catch_up.prepare_load(state_dict["waits"], self.names, "DelayedMomentumSGD")
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.prepare_load(state_dict)()
