@@ -16,7 +16,7 @@ import torch
 import recipe_workers as workers
 from gradcomp.hooks import horovod as gc_hvd
 
-CASES = (("sgd", "topk:0.01"), ("adamw", "twobit:rms"), ("sgd", "twobit:rms"))
+CASES = (("sgd", "topk:0.01"), ("adamw", "twobit:rms"), ("sgd", "twobit:rms"), ("adamw", "topk:0.01"))
 
 
 def train(kind: str, spec: str, rank: int) -> dict:

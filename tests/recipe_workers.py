@@ -57,8 +57,9 @@ class Run:
         self.optimizer = make_optimizer(kind, self.model)
         transform = None
         if kind == "adamw":
-            exchange = "momentum" if compressor.sparsifies else "gradient"
-            transform = FrozenVarianceAdam(self.optimizer, named, freeze_step=dense_steps, exchange=exchange)
+            # a sparsifier's late gradients caught up, without the spike guard
+            transform = FrozenVarianceAdam(self.optimizer, named, freeze_step=dense_steps,
+                                           spike_guard=not compressor.sparsifies)
         elif compressor.sparsifies:  # top-k under SGD-momentum: each coordinate's late gradient caught up
             transform = DelayedMomentumSGD(self.optimizer, named)
         self.scheduler = self._scheduler()

@@ -169,7 +169,7 @@ def test_before_the_freeze_the_stage_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters()))
 
 
-def test_state_dict_holds_settings_and_moments_only():
+def test_state_dict_holds_settings_moments_and_waits_only():
     net = small_net()
     optimizer = torch.optim.AdamW(net.parameters())
     gradient = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10)
@@ -177,7 +177,8 @@ def test_state_dict_holds_settings_and_moments_only():
                                      "delay_steps": 0.0, "bounded": False, "suspended": False, "frozen_at": None,
                                      "latest_freeze": None, "gate": {"opened": 10, "lr_seen": None, "rising": False},
                                      "spike_guard": True, "live_level": True, "level": {},
-                                     "guard": {"calls": 0, "observed": 0, "mean": None, "var": None}}
+                                     "guard": {"calls": 0, "observed": 0, "mean": None, "var": None},
+                                     "waits": {}}
     momentum = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10, exchange="momentum")
     assert momentum.state_dict()["delay_steps"] == 5.0
     older = {k: v for k, v in momentum.state_dict().items()

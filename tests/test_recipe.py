@@ -271,7 +271,9 @@ def test_optimizer_stages_by_optimizer():
     assert quantized.transform.freeze_step == quantized.dense_steps
     adamw = torch.optim.AdamW(params, lr=1e-3)
     sparse = plan("topk:0.01", adamw, 1000, None, named)
-    assert sparse.transform.exchange == "momentum"
+    assert sparse.transform.exchange == "gradient" and sparse.transform.guard is None  # caught up
+    assert "each coordinate's late gradient caught up as the first moment would have taken it" in sparse.summary
+    assert quantized.transform.guard is not None and "caught up" not in quantized.summary
     with pytest.warns(RecipeNotice, match="Adagrad has no optimizer-aware stage"):
         assert plan("topk:0.01", torch.optim.Adagrad(params), 1000, None, named).transform is None
     with pytest.raises(ValueError, match="total_steps"):

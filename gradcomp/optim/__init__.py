@@ -1,9 +1,10 @@
 """Optimizer-aware compression: stages of the engine that work inside the optimizer's step.
 
 * :class:`FrozenVarianceAdam`: for the user's own ``torch.optim.Adam``/``AdamW``. Dense start,
-  then the variance is frozen and ranks compress in Adam's update units (the gradient, or each
-  rank's first moment for sparsifiers); ``.grad`` keeps the average in gradient units and the
-  frozen-variance update runs in the optimizer's step.
+  then the variance is frozen and ranks compress the gradient in Adam's update units (a sparsifier's late
+  gradients caught up in the step, :mod:`gradcomp.optim.catch_up`; or each rank's first moment,
+  ``exchange="momentum"``); ``.grad`` keeps the average in gradient units and the frozen-variance update runs in
+  the optimizer's step.
 * :class:`DelayedMomentumSGD`: for the user's own ``torch.optim.SGD`` with momentum under a
   sparsifier. ``.grad`` keeps the average gradient; while a parameter's group is compressed its step
   applies each coordinate's late gradient as the momentum would have applied it on time.

@@ -9,23 +9,27 @@ __all__ = ["prepare_load", "state_dict"]
 
 def state_dict(stage) -> dict:
     """``stage``'s (a ``FrozenVarianceAdam``) settings, suspension, freeze step, gate, guard and levels, and with
-    ``exchange="momentum"`` this rank's first moments (CPU float32 copies)."""
+    ``exchange="momentum"`` this rank's first moments (CPU float32 copies), with ``"gradient"`` the waits of the
+    catch-up (CPU int16, the same on every rank)."""
     state = {**stage._recipe(), "suspended": stage.suspended, "frozen_at": stage.frozen_at,
              "gate": stage.gate.state_dict(), "guard": stage.guard.state_dict() if stage.guard else None,
              "level": stage.level.state_dict() if stage.level else None}
     if stage.exchange == "momentum":
         state["moments"] = {k: v.detach().cpu().clone() for k, v in stage.moments.items()}
+    else:
+        state["waits"] = stage.catch_up.state_dict()
     return state
 
 
 def prepare_load(stage, state_dict: dict):
     """Validate ``stage.state_dict()``'s output for ``stage`` (a ``FrozenVarianceAdam``) and return the function
-    that assigns it (mutating ``stage``: its moments, suspension, freeze step, gate, guard and levels). Raises
-    ``ValueError``, changing nothing."""
+    that assigns it (mutating ``stage``: its moments, waits, suspension, freeze step, gate, guard and levels).
+    Raises ``ValueError``, changing nothing. A state saved before the waits existed loads with none: each held-back
+    coordinate's next burst is taken as one step old."""
     if not isinstance(state_dict, dict):
         raise ValueError(f"expected FrozenVarianceAdam.state_dict(), got {type(state_dict).__name__}")
     saved = dict(state_dict)
-    moments = saved.pop("moments", {})
+    moments, waits = saved.pop("moments", {}), saved.pop("waits", {})
     suspended, frozen_at = saved.pop("suspended", False), saved.pop("frozen_at", None)
     saved.setdefault("delay_steps", stage.delay_steps)  # saved before these settings existed: any run's fits
     saved.setdefault("bounded", stage.bounded)
@@ -46,6 +50,7 @@ def prepare_load(stage, state_dict: dict):
     # saved before the levels existed: they start again from the denominators at the next frozen step
     groups = len(stage.optimizer.param_groups)
     assign_level = stage.level.prepare_load(level if level is not None else {}, groups) if stage.level else None
+    assign_waits = stage.catch_up.prepare_load(waits, stage.names, "FrozenVarianceAdam")
     if not isinstance(moments, dict):
         raise ValueError("the checkpoint's first moments are not a dict of tensors by parameter name")
     checked = {}
@@ -62,6 +67,7 @@ def prepare_load(stage, state_dict: dict):
         stage.moments, stage.suspended, stage.frozen_at = checked, suspended, frozen_at
         assign_gate()
         assign_guard()
+        assign_waits()
         if assign_level is not None:
             assign_level()
         stage._pending.clear()

@@ -20,7 +20,7 @@ import torch
 from gradcomp.backends import form_kernel
 from gradcomp.optim.spike_guard import multiplies, scaled
 
-__all__ = ["frozen_update", "bounded_step"]
+__all__ = ["frozen_update", "caught_up_update", "bounded_step"]
 
 
 @torch.no_grad()
@@ -64,6 +64,29 @@ def frozen_update(params: List[torch.Tensor], exp_avgs: List[torch.Tensor], grad
     if bounded and exchange == "gradient":
         moments = [m / bounded_step(m / d, bias) for m, d, bias in zip(exp_avgs, denoms, biases)]
     torch._foreach_addcdiv_(params, moments, denoms, [-lr / bias for bias in biases])
+
+
+@torch.no_grad()
+def caught_up_update(params: List[torch.Tensor], exp_avgs: List[torch.Tensor], grads: List[torch.Tensor],
+                     denoms: List[torch.Tensor], steps: Sequence[int], group: dict, decoupled: bool, bounded: bool,
+                     factor: Optional[torch.Tensor], shares: List[Optional[torch.Tensor]]) -> None:
+    """:func:`frozen_update` with ``exchange="gradient"``, each late gradient caught up (:mod:`.catch_up`).
+
+    ``shares[i]``: ``c`` of parameter ``i``'s coordinates (float32, its shape; ``None``: all on time, ``c = 1``).
+    ``exp_avg`` takes ``c g`` in place of ``g``, and the parameter moves at once by ``(1 - c) g`` at the step's
+    rate, ``-lr / (1 - b1^t) * factor * (1 - c) g / d``: Adam's exponential average is momentum damped by ``b1``,
+    so what it would already have applied of a burst is ``(1 - b1) (1 - c) / (1 - b1)`` of it. The arguments are
+    :func:`frozen_update`'s (``grads`` read only)."""
+    late = [i for i, share in enumerate(shares) if share is not None]
+    inputs = list(grads)
+    for i in late:
+        inputs[i] = (grads[i] * shares[i]).to(grads[i].dtype)
+    frozen_update(params, exp_avgs, inputs, denoms, steps, group, decoupled, "gradient", bounded, factor)
+    if late:
+        beta1, lr = group["betas"][0], float(group["lr"])
+        rest = [(grads[i] * shares[i].neg().add_(1.0)).to(grads[i].dtype) for i in late]
+        torch._foreach_addcdiv_([params[i] for i in late], scaled(rest, factor),
+                                [denoms[i] for i in late], [-lr / (1 - beta1 ** steps[i]) for i in late])
 
 
 def bounded_step(update: torch.Tensor, bias: float = 1.0) -> torch.Tensor:

@@ -18,14 +18,14 @@ units instead of the gradient's norm. The user's ``.grad`` is left as it is (the
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from gradcomp.optim.step_norms import step_norms
 
-__all__ = ["SpikeGuard", "SPIKE_ALPHA", "SPIKE_Z", "SPIKE_SKIP", "SUSPENDED_STRIDE", "live_denominators", "multiplies",
-           "scaled"]
+__all__ = ["SpikeGuard", "SPIKE_ALPHA", "SPIKE_Z", "SPIKE_SKIP", "SUSPENDED_STRIDE", "guard_factor",
+           "live_denominators", "multiplies", "scaled"]
 
 #: The smoothing of the averages (ZClip's default).
 SPIKE_ALPHA = 0.97
@@ -143,3 +143,33 @@ def scaled(grads: List[torch.Tensor], factor: Optional[torch.Tensor]) -> List[to
     """``grads`` times ``factor`` (new tensors; ``grads`` are not mutated) where it :func:`multiplies`, else
     ``grads`` themselves."""
     return torch._foreach_mul(grads, factor) if multiplies(factor) else grads
+
+
+def guard_factor(stage, done: Dict[int, int]):
+    """The factor of ``stage``'s (a ``FrozenVarianceAdam``) frozen updates this step (its :class:`SpikeGuard`;
+    ``None``: none) from each gradient over its frozen or Adam's live denominator (``done``: the steps of each
+    parameter with a gradient, by id); suspended, on one step in :data:`SUSPENDED_STRIDE`. With it the gradients'
+    own norms from the same pass where a frozen step's live level reads them, ``(position of each parameter by id,
+    float32 [k])``, else ``None``. Reads the stage and its optimizer; mutates the guard's averages."""
+    first = next(iter(stage.names.values()), None)
+    if stage.guard is None or stage.suspended and first is not None and stage._steps_done(first) % SUSPENDED_STRIDE:
+        return None, None
+    grads, denoms, live, frozen, at = [], [], {}, False, {}  # live: (bias correction, eps) -> where Adam's own go
+    for group in stage.optimizer.param_groups:
+        for param in group["params"]:
+            steps = done.get(id(param), 0)
+            if not steps:
+                continue
+            at[id(param)] = len(grads)
+            grads.append(param.grad)
+            if not stage.suspended and stage.compresses_at(steps):
+                frozen = True
+                denoms.append(stage._denom(param, group))
+            else:
+                live.setdefault((1 - group["betas"][1] ** steps, group["eps"]), []).append(len(denoms))
+                denoms.append(stage.optimizer.state[param]["exp_avg_sq"])
+    for (bias, eps), where in live.items():
+        for place, denom in zip(where, live_denominators([denoms[place] for place in where], bias, eps)):
+            denoms[place] = denom
+    quotients, plain = step_norms(grads, denoms, stage.level is not None and frozen) if grads else (None, None)
+    return stage.guard.scale(grads, denoms, frozen, quotients), None if plain is None else (at, plain)
