@@ -239,11 +239,15 @@ def implements_parts(op: str, backend: str) -> Callable[[Callable], Callable]:
 #:   param group (:func:`~gradcomp.optim.frozen_update.frozen_update`'s torch ops: ``grads * factor`` where ``factor``
 #:   is a 0-d tensor, the moments ``lerp_`` by ``weight`` or a copy, ``params * decay`` where it is a float, then
 #:   ``addcdiv_`` by ``values``), params and moments mutated; returns ``False`` with nothing written where it cannot
-#:   promise torch's bits.
+#:   promise torch's bits. ``caught_up_step``: ``fn(params, exp_avgs, grads, denoms, waits, shares, factor, weight,
+#:   decay, values)``, the same step of parameters whose coordinates wait under a sparsifier
+#:   (:func:`~gradcomp.optim.frozen_update.caught_up_update`'s torch ops: the int16 ``waits`` advanced, ``c`` read
+#:   from ``shares`` at each wait, ``grads * c`` into the moments, the rest ``grads * (1 - c)`` onto the parameters,
+#:   each wait zeroed where its gradient is nonzero), params, moments and waits mutated, ``False`` as above.
 FORMS = {
     "sparse_parts": ("compact_encode", "compact_entries"),
     "check": ("parts_valid",),
-    "elementwise": ("divide_multiply", "quotient_norms", "frozen_step"),
+    "elementwise": ("divide_multiply", "quotient_norms", "frozen_step", "caught_up_step"),
 }
 
 

@@ -95,13 +95,17 @@ class Waits:
         """Advance the waits of ``keys`` by this step (allocated at 0 on a parameter's first compressed step) and
         return each parameter's ``c`` (float32, its shape; new tensors)."""
         table = share_table(float(beta), params[0].device)
-        waits = []
+        waits = self.waits_of(keys, params)
+        torch._foreach_add_(waits, 1)  # this step's gradient is 1 step old
+        return [table.index_select(0, wait.view(-1).int()).view(wait.shape) for wait in waits]
+
+    def waits_of(self, keys: List[Hashable], params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The waits of ``keys`` (int16, each parameter's shape; allocated at 0 on a parameter's first compressed
+        step), not advanced: the caller's step advances and settles them (Adam's ``caught_up_update``)."""
         for key, param in zip(keys, params):
             if key not in self.waits:  # allocated once, not at every step
                 self.waits[key] = torch.zeros(param.shape, dtype=torch.int16, device=param.device)
-            waits.append(self.waits[key])
-        torch._foreach_add_(waits, 1)  # this step's gradient is 1 step old
-        return [table.index_select(0, wait.view(-1).int()).view(wait.shape) for wait in waits]
+        return [self.waits[key] for key in keys]
 
     def settle(self, keys: List[Hashable], averages: List[torch.Tensor]) -> None:
         """A coordinate nonzero in its average (``averages``, one per key, read only) waits no more."""

@@ -70,7 +70,7 @@ from gradcomp.optim.adam_settings import (
     decoupled_weight_decay,
     optimizer_settings,
 )
-from gradcomp.optim.catch_up import Waits
+from gradcomp.optim.catch_up import Waits, share_table
 from gradcomp.optim.delay import DELAY_STEPS
 from gradcomp.optim.freeze_gate import FreezeGate
 from gradcomp.optim.frozen_adam_load import prepare_load, state_dict
@@ -335,10 +335,10 @@ class FrozenVarianceAdam:
             exp_avgs, steps = [state["exp_avg"] for state in states], [done[id(p)] + 1 for p in params]
             decoupled, keys = decoupled_weight_decay(optimizer, group), [late[id(p)] for p in params if id(p) in late]
             if keys:  # a sparsifier held coordinates back: each late gradient caught up
-                shares = iter(self.catch_up.shares(keys, [p for p in params if id(p) in late], group["betas"][0]))
+                waits = iter(self.catch_up.waits_of(keys, [p for p in params if id(p) in late]))
                 caught_up_update(params, exp_avgs, grads, denoms, steps, group, decoupled, self.bounded, scale,
-                                 [next(shares) if id(p) in late else None for p in params])
-                self.catch_up.settle(keys, [p.grad for p in params if id(p) in late])
+                                 [next(waits) if id(p) in late else None for p in params],
+                                 share_table(float(group["betas"][0]), params[0].device))
             else:
                 frozen_update(params, exp_avgs, grads, denoms, steps, group, decoupled, self.exchange, self.bounded,
                               scale)

@@ -69,24 +69,44 @@ def frozen_update(params: List[torch.Tensor], exp_avgs: List[torch.Tensor], grad
 @torch.no_grad()
 def caught_up_update(params: List[torch.Tensor], exp_avgs: List[torch.Tensor], grads: List[torch.Tensor],
                      denoms: List[torch.Tensor], steps: Sequence[int], group: dict, decoupled: bool, bounded: bool,
-                     factor: Optional[torch.Tensor], shares: List[Optional[torch.Tensor]]) -> None:
+                     factor: Optional[torch.Tensor], waits: List[Optional[torch.Tensor]], shares: torch.Tensor) -> None:
     """:func:`frozen_update` with ``exchange="gradient"``, each late gradient caught up (:mod:`.catch_up`).
 
-    ``shares[i]``: ``c`` of parameter ``i``'s coordinates (float32, its shape; ``None``: all on time, ``c = 1``).
-    ``exp_avg`` takes ``c g`` in place of ``g``, and the parameter moves at once by ``(1 - c) g`` at the step's
-    rate, ``-lr / (1 - b1^t) * factor * (1 - c) g / d``: Adam's exponential average is momentum damped by ``b1``,
-    so what it would already have applied of a burst is ``(1 - b1) (1 - c) / (1 - b1)`` of it. The arguments are
-    :func:`frozen_update`'s (``grads`` read only)."""
-    late = [i for i, share in enumerate(shares) if share is not None]
-    inputs = list(grads)
-    for i in late:
-        inputs[i] = (grads[i] * shares[i]).to(grads[i].dtype)
+    ``waits[i]``: the steps each coordinate of parameter ``i`` has waited (int16, its shape; ``None``: all on time),
+    advanced by this step and zeroed where the average ``grads[i]`` is nonzero (mutated); ``shares``: ``c`` of every
+    wait (:func:`~gradcomp.optim.catch_up.share_table` of ``b1``). ``exp_avg`` takes ``c g`` in place of ``g``, and
+    the parameter moves at once by ``(1 - c) g`` at the step's rate, ``-lr / (1 - b1^t) * factor * (1 - c) g / d``:
+    Adam's exponential average is momentum damped by ``b1``, so what it would already have applied of a burst is
+    ``(1 - b1) (1 - c) / (1 - b1)`` of it. The other arguments are :func:`frozen_update`'s (``grads`` read only).
+    On the CPU the backend's ``caught_up_step`` form does it in one pass with the same bits
+    (:mod:`gradcomp.backends.numba.caught_up_step`)."""
+    late = [i for i, wait in enumerate(waits) if wait is not None]
+    on_time = [i for i, wait in enumerate(waits) if wait is None]
+    if on_time:
+        frozen_update(*([x[i] for i in on_time] for x in (params, exp_avgs, grads, denoms, steps)), group, decoupled,
+                      "gradient", bounded, factor)
+    if not late:
+        return
+    beta1, lr, wd = group["betas"][0], float(group["lr"]), group["weight_decay"]
+    params, exp_avgs, grads, denoms, waits, steps = ([x[i] for i in late]
+                                                     for x in (params, exp_avgs, grads, denoms, waits, steps))
+    values = [-lr / (1 - beta1 ** t) for t in steps]
+    factor = factor if multiplies(factor) else None
+    if not bounded and (decoupled or not wd) and isinstance(beta1, float):  # a tensor beta: torch's ops
+        fused = form_kernel("elementwise", "caught_up_step", params[0].device)
+        if fused is not None and fused(params, exp_avgs, grads, denoms, waits, shares, factor, 1 - beta1,
+                                       1 - lr * wd if wd else None, values):
+            return
+    torch._foreach_add_(waits, 1)  # this step's gradient is 1 step old
+    c = [shares.index_select(0, wait.view(-1).int()).view(wait.shape) for wait in waits]
+    inputs = [x.to(g.dtype) for x, g in zip(torch._foreach_mul(grads, c), grads)]
     frozen_update(params, exp_avgs, inputs, denoms, steps, group, decoupled, "gradient", bounded, factor)
-    if late:
-        beta1, lr = group["betas"][0], float(group["lr"])
-        rest = [(grads[i] * shares[i].neg().add_(1.0)).to(grads[i].dtype) for i in late]
-        torch._foreach_addcdiv_([params[i] for i in late], scaled(rest, factor),
-                                [denoms[i] for i in late], [-lr / (1 - beta1 ** steps[i]) for i in late])
+    torch._foreach_neg_(c)
+    torch._foreach_add_(c, 1.0)
+    rest = [x.to(g.dtype) for x, g in zip(torch._foreach_mul(grads, c), grads)]
+    torch._foreach_addcdiv_(params, scaled(rest, factor), denoms, values)
+    for wait, grad in zip(waits, grads):  # a coordinate in the average waits no more
+        wait.mul_(grad == 0)
 
 
 def bounded_step(update: torch.Tensor, bias: float = 1.0) -> torch.Tensor:

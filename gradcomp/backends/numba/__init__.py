@@ -23,6 +23,7 @@ module              what lives there
 ``elementwise``     passes torch would run as several (an average back in a stage's units)
 ``norms``           a step's gradient norms and their quotients' by the denominators, one pass, torch's bits
 ``frozen_step``     the Adam stage's frozen-variance update of a param group, one pass, torch's bits
+``caught_up_step``  the same update of parameters whose coordinates wait (top-k), one pass, torch's bits
 ``average``         every rank's quantized payloads averaged over a group's parts, one write each
 ``group_parts``     a group's quantized parts as one table of work units; their compress in one call
 ==================  ====================================================================
@@ -41,4 +42,4 @@ import sys
 if sys.byteorder != "little":  # the 2-bit kernels address the code words as bytes
     raise ImportError("the numba backend assumes a little-endian CPU")
 
-from gradcomp.backends.numba import average, compact, elementwise, frozen_step, norms, ops, part_check  # noqa: E402,F401  (registers the ops)
+from gradcomp.backends.numba import average, caught_up_step, compact, elementwise, frozen_step, norms, ops, part_check  # noqa: E402,F401,E501  (registers the ops)
