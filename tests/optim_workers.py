@@ -1,7 +1,7 @@
 """Rank workers and an independent single-process simulation of the recipe's optimizer paths on
 real Gloo ranks: SGD with momentum on the compressed gradient (no stage), and the user's AdamW
-with :class:`~gradcomp.optim.FrozenVarianceAdam` exchanging the gradient or each rank's first moment (its
-``beta1`` shortened by error feedback's delay on the steps top-k compresses it).
+with :class:`~gradcomp.optim.FrozenVarianceAdam` exchanging the gradient (each late gradient caught up on the steps
+top-k compresses it) or each rank's first moment (its ``beta1`` shortened by error feedback's delay on those steps).
 
 Every parameter has a DDP bucket of its own (``bucket_cap_mb_list`` with a tiny cap), so the
 simulation can follow each parameter alone, also right after a resume. The simulation is plain
@@ -156,17 +156,31 @@ class _Adam:
         sqrt_v = self.v.sqrt() / math.sqrt(1 - BETAS[1] ** DENSE)
         self.denom = sqrt_v.clamp(min=float(sqrt_v.mean()) * 0.1).add_(EPS)
 
-    def step(self, param, grad, first_moment=False):
+    def step(self, param, grad, first_moment=False, factor=None, wait=None):
+        """``grad`` times ``factor`` (the live level) is stepped on; with ``wait`` (int, the steps each coordinate
+        waited, mutated) each late gradient is caught up: ``m`` takes ``c g``, the parameter ``(1 - c) g`` at once,
+        ``c = (1 - b1^a) / ((1 - b1) a)`` for ``a`` = the wait + 1, which ends where ``grad`` is nonzero."""
         self.t += 1
         param.mul_(1 - ADAM_LR * WD)
+        value = -ADAM_LR / (1 - BETAS[0] ** self.t)
         if self.denom is None:
             self.m.lerp_(grad, 1 - BETAS[0])
             self.v.mul_(BETAS[1]).addcmul_(grad, grad, value=1 - BETAS[1])
             denom = (self.v.sqrt() / ((1 - BETAS[1] ** self.t) ** 0.5)).add_(EPS)
+        elif wait is not None:
+            wait += 1
+            age, base = wait.float(), torch.tensor(BETAS[0])
+            c = torch.pow(base, age).neg().add(1.0).div(float(1 - base)).div(age).view_as(grad)
+            self.m = torch.lerp(self.m, grad * c * factor, 1 - BETAS[0])
+            param.addcdiv_(self.m, self.denom, value=value)
+            param.addcdiv_(grad * (1 - c) * factor, self.denom, value=value)
+            wait.mul_(grad.reshape(-1) == 0)
+            return
         else:
+            grad = grad if factor is None else grad * factor
             self.m = grad.clone() if first_moment else torch.lerp(self.m, grad, 1 - BETAS[0])
             denom = self.denom
-        param.addcdiv_(self.m, denom, value=-ADAM_LR / (1 - BETAS[0] ** self.t))
+        param.addcdiv_(self.m, denom, value=value)
 
 
 def _level_factor(level, averages, denoms):
@@ -189,6 +203,7 @@ def simulate(kind, steps, world_size=2):
     moments = {k: [None] * world_size for k in params}
     adam = {k: _Adam(p) for k, p in params.items()}
     buffers = {k: None for k in params}
+    waits = {k: None for k in params}  # adam-gradient under top-k: the steps each coordinate waited
     level = []
     for step in range(steps):
         grads = [_local_grads(model, r, step) for r in range(world_size)]
@@ -216,10 +231,15 @@ def simulate(kind, steps, world_size=2):
             if frozen and kind == "adam-gradient":
                 factor = _level_factor(level, list(averages.values()), [adam[k].denom for k in params])
             for k, param in params.items():
-                grad = averages[k] if factor is None else averages[k] * factor
                 if kind == "sgd":
+                    grad = averages[k]
                     buffers[k] = grad.clone() if buffers[k] is None else buffers[k].mul_(MOMENTUM).add_(grad)
                     param.add_(buffers[k], alpha=-SGD_LR)
-                else:
-                    adam[k].step(param, grad, first_moment=frozen and kind == "adam-momentum")
+                    continue
+                late = frozen and kind == "adam-gradient" and _density_at(step) is not None
+                late = late and param.numel() >= MIN_NUMEL
+                waits[k] = (waits[k] if waits[k] is not None else torch.zeros(param.numel(), dtype=torch.int32)) \
+                    if late else None
+                adam[k].step(param, averages[k], first_moment=frozen and kind == "adam-momentum", factor=factor,
+                             wait=waits[k])
     return {name: p.detach().clone() for name, p in model.named_parameters()}
