@@ -73,6 +73,10 @@ def test_the_form_declines_what_it_cannot_promise_and_writes_nothing():
     assert not step(params, moments, moments, denoms, waits)  # the gradients are the moments it writes
     assert not step(params, moments, grads, denoms, waits, shares=torch.cat([SHARES, SHARES]))  # past int16
     assert not step(params, moments, grads, denoms, waits, shares=SHARES.double())
+    for outside in (1.5, -0.25, float("nan")):  # where g is zero the kernel reads shares[0], sound for [0, 1] only
+        shares = SHARES.clone()
+        shares[7] = outside
+        assert not step(params, moments, grads, denoms, waits, shares=shares)
     assert not fused(params, moments, grads, denoms, waits, SHARES, None, 0.1, None, values[:1])
     assert all(torch.equal(a, b) for a, b in zip(params + moments + waits, kept))
 

@@ -258,7 +258,10 @@ class FrozenVarianceAdam:
         ``exchange="momentum"`` this rank's next first moment (``b1'`` of ``compressor``'s density when it
         sparsifies, else ``b1``; ``None``: a dense step), divided by the frozen denominator for frozen
         parameters. ``grad`` is not mutated; the moments change at :meth:`commit`."""
-        out = grad.float().clone()
+        divisor = group_divisor(self, keys, numels) if self.exchange == "gradient" else None
+        out = grad.float().clone() if divisor is None else grad.float() / divisor  # one pass, no copy
+        if divisor is not None:
+            return out
         pieces = list(self._pieces(keys, numels, out))
         pending = next_moments(self, pieces, compressor) if self.exchange == "momentum" else []
         if pieces:  # one multi-tensor op for the group: one kernel launch on a GPU, not one per parameter
@@ -293,8 +296,10 @@ class FrozenVarianceAdam:
         """Back to gradient units: the average times the frozen denominator (frozen parameters)."""
         if self.suspended:  # nothing is frozen (see frozen); skip the walk over the group's parameters
             return
-        pieces = list(self._pieces(keys, numels, average))
-        if pieces:
+        divisor = group_divisor(self, keys, numels) if self.exchange == "gradient" else None
+        if divisor is not None and average.dtype == torch.float32:  # one pass: ``x * 1.0`` is ``x``
+            average.mul_(divisor)
+        elif pieces := list(self._pieces(keys, numels, average)):
             torch._foreach_mul_([piece for *_, piece in pieces], self._denoms(pieces, average.dtype))
 
     def commit(self, keys, accept: Union[bool, torch.Tensor] = True) -> None:

@@ -51,6 +51,10 @@ def install() -> None:
     from gradcomp.optim import catch_up, live_level
 
     _wrap(live_level.LiveLevel, "factor", "level.factor")
+    from gradcomp.backends.numba import caught_up_step
+
+    for name in ("_run", "_table"):
+        _wrap(caught_up_step, name, f"caught_up_step.{name}")
     _wrap(catch_up.Waits, "begin_step", "waits.begin_step")
     _wrap(catch_up.Waits, "record", "waits.record")
     _wrap(spike_guard.SpikeGuard, "scale", "guard.scale")
