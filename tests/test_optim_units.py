@@ -178,12 +178,12 @@ def test_state_dict_holds_settings_moments_and_waits_only():
                                      "latest_freeze": None, "gate": {"opened": 10, "lr_seen": None, "rising": False},
                                      "spike_guard": True, "live_level": True, "level": {},
                                      "guard": {"calls": 0, "observed": 0, "mean": None, "var": None},
-                                     "waits": {}}
+                                     "waits": {}, "refresh": None, "refreshed_at": None}
     momentum = FrozenVarianceAdam(optimizer, net.named_parameters(), freeze_step=10, exchange="momentum")
     assert momentum.state_dict()["delay_steps"] == 5.0
     older = {k: v for k, v in momentum.state_dict().items()
              if k not in ("delay_steps", "bounded", "latest_freeze", "gate", "spike_guard", "guard", "live_level",
-                          "level")}
+                          "level", "refresh", "refreshed_at")}
     momentum.load_state_dict(older)  # saved before the settings existed: loads
     with pytest.raises(ValueError, match="bounded"):
         momentum.load_state_dict({**momentum.state_dict(), "bounded": True})

@@ -23,15 +23,10 @@ The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrang
      on every rank) and kept in :attr:`catch_up`. Measured against the first moment exchanged below (top-k,
      AdamW, seed 0): charlm-small -1.1 % against +1.3 %, the GPT -3.5 % against -1.4 %
      (``experiments/results/research-topk-adam-catchup/``).
-   * ``"momentum"`` (the recipe's sparsifiers until the catch-up): each rank's own first moment
-     ``m_i = b1' m_i + (1 - b1') g_i`` (per rank, in :meth:`state_dict`), with error feedback. ``.grad`` holds
-     the average of the first moments (in gradient units) and ``exp_avg`` becomes it. A top-k coordinate waits
-     many steps in the residual; the momentum's own delay then passes during that wait instead of after it
-     (charlm-small, AdamW, top-k 1%, 600 steps: +5.7% held-out loss over dense, +11.6% exchanging the gradient
-     without the catch-up).
-     The wait is a delay of its own, which ``b1'`` gives up (:mod:`.delay`):
-     ``b1' / (1 - b1') = b1 / (1 - b1) - delay_at(density)``, 0.9 becoming 0.8 at top-k 1 %, the steady state
-     unchanged; a shorter ``b1`` gives up the same share of its memory (``memory_share``: 0.8 becomes 0.64 at 1 %).
+   * ``"momentum"`` (no recipe's since the catch-up): each rank's own first moment
+     ``m_i = b1' m_i + (1 - b1') g_i`` (per rank, in :meth:`state_dict`), with error feedback; ``.grad`` holds
+     the average of the first moments (in gradient units) and ``exp_avg`` becomes it; ``b1'`` gives up the wait
+     a sparsifier's residual adds (:mod:`.delay`: 0.9 becomes 0.8 at top-k 1 %).
 
    A step pre-hook reads ``.grad`` as the loop left it (clipped, unscaled, ...) and applies
    ``p -= lr * m / (1 - b1^t) / d`` (AdamW: after ``p *= 1 - lr * wd``; Adam: ``wd * p`` joins the
@@ -48,7 +43,11 @@ The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrang
    **Bounded steps** (``bounded=True``; not the recipe's) scale back a parameter's step whose root mean
    square in update units passes 1 (:func:`bounded_step`): it kept the shapes CNN from diverging under a
    variance frozen on its early plateau but held the language models back (``research-adam-bound/``).
-5. **Stepping aside**: while a policy sends every group dense for a while (``Auto``, when a trial
+5. **Refreshes** (``refresh``, the share of the variance each renews, e.g. ``variance_refresh.WEIGHT``; ``None``,
+   the default and the recipe's for now: frozen for good): at steps spaced by the variance's memory the variance
+   takes the step's averaged gradient and the denominators freeze again from it
+   (:mod:`gradcomp.optim.variance_refresh`; frozen for good, a long run keeps the dense start's level and shape).
+6. **Stepping aside**: while a policy sends every group dense for a while (``Auto``, when a trial
    measured compressed steps no faster), :meth:`~FrozenVarianceAdam.suspend` hands the parameters
    back to the user's Adam, its variance live again and continuous with the frozen one;
    :meth:`~FrozenVarianceAdam.resume` freezes it again at that step when compression comes back.
@@ -79,6 +78,8 @@ from gradcomp.optim.frozen_update import bounded_step, caught_up_update, frozen_
 from gradcomp.optim.live_level import LiveLevel
 from gradcomp.optim.spike_guard import SpikeGuard, guard_factor
 from gradcomp.optim.step_hook import after_closure
+from gradcomp.optim.stepping_aside import resume, suspend
+from gradcomp.optim.variance_refresh import refresh_if_due
 from gradcomp.setup import unwrapped_names
 
 __all__ = ["FrozenVarianceAdam"]
@@ -102,6 +103,8 @@ class FrozenVarianceAdam:
         spike_guard: scale back frozen steps whose input jumps (the module docstring's point 4).
         live_level: one level per param group following its gradients (the module docstring's point 4);
             ``None``: with ``exchange="gradient"`` (the averaged gradient's level), not with ``"momentum"``.
+        refresh: the share of the variance each refresh renews (the module docstring's point 5); ``None``: frozen
+            for good (the default).
         step_hook: register :meth:`before_optimizer_step` as the optimizer's step pre-hook (DDP);
             in ``optimizer.step(closure)`` it runs after the closure (:mod:`gradcomp.optim.step_hook`).
             An integration whose ``step()`` first averages the gradients (Horovod's optimizer)
@@ -111,10 +114,13 @@ class FrozenVarianceAdam:
     def __init__(self, optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], freeze_step: int,
                  exchange: str = "gradient", variance_floor: float = VARIANCE_FLOOR, step_hook: bool = True,
                  delay_steps: float = DELAY_STEPS, bounded: bool = False, latest_freeze: Optional[int] = None,
-                 freeze_cost=None, spike_guard: bool = True, live_level: Optional[bool] = None):
+                 freeze_cost=None, spike_guard: bool = True, live_level: Optional[bool] = None,
+                 refresh: Optional[float] = None):
         check_optimizer(optimizer, freeze_step, exchange, variance_floor)
         if not float(delay_steps) >= 0:
             raise ValueError(f"delay_steps must be >= 0, got {delay_steps!r}")
+        if refresh is not None and not 0.0 < float(refresh) < 1.0:
+            raise ValueError(f"refresh must be None or a share in (0, 1), got {refresh!r}")
         self.optimizer = optimizer
         self.names: Dict[Hashable, torch.nn.Parameter] = dict(unwrapped_names(named_parameters))
         managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -133,6 +139,9 @@ class FrozenVarianceAdam:
         self.suspended = False
         #: The optimizer step whose variance the denominators freeze (``None``: ``freeze_step``).
         self.frozen_at: Optional[int] = None
+        #: The share of the variance a refresh renews (``None``: none), and the step of the last (``None``: none
+        #: since the freeze): :mod:`gradcomp.optim.variance_refresh`.
+        self.refresh, self.refreshed_at = (None if refresh is None else float(refresh)), None
         #: ``exchange="momentum"``: this rank's first moment per parameter name (float32, flat).
         self.moments: Dict[Hashable, torch.Tensor] = {}
         self._pending: Dict[Tuple[Hashable, ...], List[Tuple[Hashable, torch.Tensor]]] = {}
@@ -184,7 +193,7 @@ class FrozenVarianceAdam:
         if denom is None:
             # The variance stopped at the freeze: its bias correction is the freeze step's, whenever
             # the denominator is computed (also from a checkpoint that lacks it).
-            sqrt_v = state["exp_avg_sq"].sqrt() / math.sqrt(1 - group["betas"][1] ** self._frozen_at())
+            sqrt_v = state["exp_avg_sq"].sqrt() / math.sqrt(1 - group["betas"][1] ** self.variance_at())
             floor = float(sqrt_v.mean()) * self.variance_floor
             denom = state["frozen_denom"] = sqrt_v.clamp(min=floor).add_(group["eps"])
         return denom
@@ -194,43 +203,20 @@ class FrozenVarianceAdam:
             return self.frozen_at
         return self.freeze_step if self.gate.opened is None else self.gate.opened
 
-    # -- stepping aside while nothing is compressed -------------------------------------------
-    @torch.no_grad()
-    def suspend(self) -> None:
-        """Step aside: the user's Adam runs as it is, with a live variance, until :meth:`resume`.
+    def variance_at(self) -> int:
+        """The optimizer step whose variance the denominators hold: the last refresh's, else the freeze's."""
+        return self.refreshed_at if self.refreshed_at is not None else self._frozen_at()
 
-        A policy calls it between steps when every group went dense in the step just done (``Auto`` after
-        a trial measured compression no faster; the residuals were flushed, ``exp_avg`` holds the averaged
-        first moment). Mutates the optimizer's state: ``"frozen_denom"`` is dropped and ``exp_avg_sq``
-        rescaled so that Adam's next denominators, ``sqrt(exp_avg_sq / (1 - beta2^t))``, are the frozen ones
-        (times the group's live level)."""
-        if self.suspended:
-            return
-        named = {id(p) for p in self.names.values()}
-        for index, group in enumerate(self.optimizer.param_groups):
-            level = self.level.ratio(index) if self.level else 1.0
-            for param in group["params"]:
-                state = self.optimizer.state.get(param, {})
-                if id(param) not in named or state.pop("frozen_denom", None) is None or "exp_avg_sq" not in state:
-                    continue
-                beta2 = group["betas"][1]
-                state["exp_avg_sq"].mul_(level * (1 - beta2 ** self._steps_done(param))
-                                         / (1 - beta2 ** self._frozen_at()))
-        if self.level:
-            self.level.reset()
-        self.moments, self.suspended = {}, True
-        self.catch_up.clear()
-        self.divisors.clear()
-        self._pending.clear()
+    # -- stepping aside while nothing is compressed (:mod:`.stepping_aside`) -------------------
+    def suspend(self) -> None:
+        """Step aside: the user's Adam runs as it is, with a live variance, until :meth:`resume`
+        (:func:`~.stepping_aside.suspend`; mutates the optimizer's state)."""
+        suspend(self)
 
     def resume(self) -> None:
-        """Come back after :meth:`suspend`: the variance freezes again at this step's (the next
-        compressed step computes the denominators from it), and each rank's first moment starts
-        again from the optimizer's ``exp_avg``, the same on every rank."""
-        if not self.suspended:
-            return
-        self.suspended = False
-        self.frozen_at = max([self._frozen_at()] + [self._steps_done(p) for p in self.names.values()])
+        """Come back after :meth:`suspend`: the variance freezes again at this step's
+        (:func:`~.stepping_aside.resume`)."""
+        resume(self)
 
     def _pieces(self, keys, numels, flat: torch.Tensor):
         """``(key, parameter, its group, its slice of flat)`` of the frozen parameters laid out in ``flat``."""
@@ -325,6 +311,7 @@ class FrozenVarianceAdam:
         # each parameter with a gradient: its optimizer steps done, read once a step (a state lookup per read)
         done = {id(p): self._steps_done(p) for group in optimizer.param_groups for p in group["params"]
                 if p.grad is not None}
+        refresh_if_due(self, done)
         factor, plain = guard_factor(self, done)
         for index, group in enumerate(optimizer.param_groups if not self.suspended else ()):  # suspended: none frozen
             params = [p for p in group["params"] if id(p) in done and self.compresses_at(done[id(p)])]  # frozen(p)
@@ -366,7 +353,7 @@ class FrozenVarianceAdam:
         """The settings a checkpoint must have been saved with (the learning rate may change)."""
         return {"freeze_step": self.freeze_step, "exchange": self.exchange, "variance_floor": self.variance_floor,
                 "delay_steps": self.delay_steps, "bounded": self.bounded, "latest_freeze": self.gate.latest,
-                "spike_guard": self.guard is not None, "live_level": self.level is not None}
+                "spike_guard": self.guard is not None, "live_level": self.level is not None, "refresh": self.refresh}
 
     def settings(self) -> dict:
         """Every setting that changes how a replica moves (the cross-rank check hashes them)."""

@@ -8,10 +8,11 @@ __all__ = ["prepare_load", "state_dict"]
 
 
 def state_dict(stage) -> dict:
-    """``stage``'s (a ``FrozenVarianceAdam``) settings, suspension, freeze step, gate, guard and levels, and with
-    ``exchange="momentum"`` this rank's first moments (CPU float32 copies), with ``"gradient"`` the waits of the
-    catch-up (CPU int16, the same on every rank)."""
+    """``stage``'s (a ``FrozenVarianceAdam``) settings, suspension, freeze and refresh steps, gate, guard and
+    levels, and with ``exchange="momentum"`` this rank's first moments (CPU float32 copies), with ``"gradient"``
+    the waits of the catch-up (CPU int16, the same on every rank)."""
     state = {**stage._recipe(), "suspended": stage.suspended, "frozen_at": stage.frozen_at,
+             "refreshed_at": stage.refreshed_at,
              "gate": stage.gate.state_dict(), "guard": stage.guard.state_dict() if stage.guard else None,
              "level": stage.level.state_dict() if stage.level else None}
     if stage.exchange == "momentum":
@@ -31,15 +32,18 @@ def prepare_load(stage, state_dict: dict):
     saved = dict(state_dict)
     moments, waits = saved.pop("moments", {}), saved.pop("waits", {})
     suspended, frozen_at = saved.pop("suspended", False), saved.pop("frozen_at", None)
+    refreshed_at = saved.pop("refreshed_at", None)  # saved before the refreshes: none since the freeze
     saved.setdefault("delay_steps", stage.delay_steps)  # saved before these settings existed: any run's fits
     saved.setdefault("bounded", stage.bounded)
     saved.setdefault("latest_freeze", None)
     saved.setdefault("spike_guard", stage.guard is not None)
     saved.setdefault("live_level", stage.level is not None)
+    saved.setdefault("refresh", stage.refresh)
     gate, guard, level = saved.pop("gate", {}), saved.pop("guard", None), saved.pop("level", None)
-    if not isinstance(suspended, bool) or not (frozen_at is None or (type(frozen_at) is int and frozen_at >= 1)):
-        raise ValueError(f"the checkpoint's FrozenVarianceAdam has suspended={suspended!r}, "
-                         f"frozen_at={frozen_at!r}; expected a bool and None or a step >= 1")
+    steps = (frozen_at, refreshed_at)
+    if not isinstance(suspended, bool) or not all(s is None or (type(s) is int and s >= 1) for s in steps):
+        raise ValueError(f"the checkpoint's FrozenVarianceAdam has suspended={suspended!r}, frozen_at={frozen_at!r}, "
+                         f"refreshed_at={refreshed_at!r}; expected a bool and None or a step >= 1 each")
     if saved != stage._recipe():
         raise ValueError(f"the checkpoint's FrozenVarianceAdam settings {saved} differ from this run's "
                          f"{stage._recipe()}")
@@ -64,7 +68,8 @@ def prepare_load(stage, state_dict: dict):
         checked[key] = moment
 
     def assign() -> None:
-        stage.moments, stage.suspended, stage.frozen_at = checked, suspended, frozen_at
+        stage.moments, stage.suspended = checked, suspended
+        stage.frozen_at, stage.refreshed_at = frozen_at, refreshed_at
         assign_gate()
         assign_guard()
         assign_waits()
