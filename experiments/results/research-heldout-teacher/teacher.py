@@ -7,6 +7,7 @@ Usage, from the repository root: ``PYTHONPATH=. python experiments/results/resea
 spec (``topk``, ``twobit``, ``topk:0.05``), or ``SPEC@parameter``: the recipe with ``granularity="parameter"``
 (each parameter's own top-k) in place of its choice. Probes, not gradcomp: ``--momentum M --lr L`` for SGD's
 (default 0.9 and 0.05), ``--cosine`` (the rate decayed to 0 over the run, the scheduler given to the recipe),
+``--refresh W`` (AdamW: the recipe's stage with ``FrozenVarianceAdam(refresh=W)``, gradcomp since c7dbccb),
 ``--delay D`` (gradcomp at 8498836 and before, whose stage shortened the momentum): ``DelayedMomentumSGD`` gives up
 ``D`` steps of the momentum's memory on every compressed step (``delay_at`` replaced; 9 leaves none of momentum
 0.9's: plain SGD at 10x the rate).
@@ -46,8 +47,10 @@ def held_out(rank: int, optimizer_name: str, method: str, seed: int, args) -> fl
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps) if args.cosine else None
     if method != "dense":
         spec, _, granularity = method.partition("@")
-        gradcomp.register(ddp, spec, optimizer=optimizer, total_steps=steps, scheduler=scheduler,
-                          **({"granularity": granularity} if granularity else {}))
+        state = gradcomp.register(ddp, spec, optimizer=optimizer, total_steps=steps, scheduler=scheduler,
+                                  **({"granularity": granularity} if granularity else {}))
+        if args.refresh is not None:  # FrozenVarianceAdam's option (gradcomp.optim.variance_refresh)
+            state.engine.transform.refresh = args.refresh
     for step in range(steps):
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * seed + 10 * step + rank))
         optimizer.zero_grad()
@@ -87,6 +90,8 @@ if __name__ == "__main__":
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--delay", type=float, default=None)
     parser.add_argument("--cosine", action="store_true", help="a cosine decay of the rate to 0 over the run")
+    parser.add_argument("--refresh", type=float, default=None, help="Adam's stage refreshes its variance, renewing "
+                        "this share of it each time (FrozenVarianceAdam(refresh=...))")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29761")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
