@@ -10,6 +10,10 @@ freeze again from it at that step (the live level restarts from them). The sampl
 ``raw`` (default): the ranks' own gradients before any compression (what ``Engine.start`` receives), averaged over
 the ranks: a dense exchange every K steps would deliver it; ``average``: the step's averaged ``.grad``, what the
 compressed exchange delivered (no extra bytes).
+GC_REFRESH_RELEASED=1 (``average`` source): where the stage holds waits (a sparsifier's), only the coordinates
+released this step take the sample, each burst over its wait, ``(g / a)^2`` with ``a = w + 1``; the others keep v.
+GC_REFRESH_MOMENT=1 (``average`` source): where the stage holds no waits (a quantizer's), the sample is the first
+moment's square, ``exp_avg^2`` before this step (a 2-bit average's own square overstates a small coordinate's).
 GC_REFRESH_RESIDUALS=1: at a refresh each residual (kept in the old update units) is rescaled to the new ones.
 """
 import math
@@ -39,6 +43,8 @@ if os.environ.get("GC_NOLEVEL"):
 if os.environ.get("GC_REFRESH") or os.environ.get("GC_REFRESH_WEIGHT"):
     RAW = os.environ.get("GC_REFRESH_SOURCE", "raw") == "raw"
     RESIDUALS = bool(os.environ.get("GC_REFRESH_RESIDUALS"))
+    RELEASED = bool(os.environ.get("GC_REFRESH_RELEASED"))
+    MOMENT = bool(os.environ.get("GC_REFRESH_MOMENT"))
     SAMPLES = {}  # engine step -> key -> [sum of the ranks' raw gradients, ranks]: every rank's engine adds
     ENGINES = {}  # id(stage) -> its engine (the one whose start saw its keys)
     _start = engine_module.Engine.start
@@ -103,9 +109,18 @@ if os.environ.get("GC_REFRESH") or os.environ.get("GC_REFRESH_WEIGHT"):
                         grad = grad.view_as(p) if grad is not None else None
                     else:
                         grad = p.grad
-                    state["exp_avg_sq"].mul_(beta2 ** k)
-                    if grad is not None:
-                        state["exp_avg_sq"].addcmul_(grad, grad, value=1 - beta2 ** k)
+                    waits = self.catch_up.waits.get(key) if RELEASED and not RAW else None
+                    if MOMENT and not RAW and key not in self.catch_up.waits and "exp_avg" in state:
+                        grad = state["exp_avg"]
+                    if waits is not None and grad is not None:  # released coordinates only, each over its wait
+                        released = grad != 0
+                        sample = (grad / (waits.to(grad.dtype) + 1)).square()
+                        mixed = state["exp_avg_sq"] * beta2 ** k + (1 - beta2 ** k) * sample
+                        state["exp_avg_sq"].copy_(torch.where(released, mixed, state["exp_avg_sq"]))
+                    else:
+                        state["exp_avg_sq"].mul_(beta2 ** k)
+                        if grad is not None:
+                            state["exp_avg_sq"].addcmul_(grad, grad, value=1 - beta2 ** k)
                     old[key] = (group, state.pop("frozen_denom", None))
             self.refreshed = getattr(self, "refreshed", 0) + 1
             self.frozen_at = max(self._steps_done(p) for p in self.names.values()) + 1
