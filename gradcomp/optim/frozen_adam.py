@@ -191,8 +191,8 @@ class FrozenVarianceAdam:
         state = self.optimizer.state[param]
         denom = state.get("frozen_denom")
         if denom is None:
-            # The variance stopped at the freeze: its bias correction is the freeze step's, whenever
-            # the denominator is computed (also from a checkpoint that lacks it).
+            # The variance stopped at the freeze (or the last refresh): its bias correction is that step's,
+            # whenever the denominator is computed (also from a checkpoint that lacks it).
             sqrt_v = state["exp_avg_sq"].sqrt() / math.sqrt(1 - group["betas"][1] ** self.variance_at())
             floor = float(sqrt_v.mean()) * self.variance_floor
             denom = state["frozen_denom"] = sqrt_v.clamp(min=floor).add_(group["eps"])
