@@ -82,7 +82,8 @@ def test_a_refresh_takes_the_first_moment_as_adam_would_have_over_the_steps_sinc
 
 def test_under_a_sparsifier_only_the_released_coordinates_take_their_burst_over_its_wait():
     """"a" is a sparsifier's: where its average is nonzero, ``v = b2^6 v_F + (1 - b2^6) (g / (w + 1))^2`` with the
-    waits before the step; where it is zero the variance is untouched; "b" (no waits) takes its first moment."""
+    waits before the step; where it is zero the bias-corrected variance (hence the denominator) is unchanged; "b"
+    (no waits) takes its first moment."""
     k = spacing(BETA2)
     stage, params, seen = _run(FREEZE + k, sparse=True)
     refreshed = FREEZE + k - 1
@@ -91,10 +92,12 @@ def test_under_a_sparsifier_only_the_released_coordinates_take_their_burst_over_
     assert waits is not None and int(waits.max()) > 0  # the caught-up steps advanced them
     released = grad != 0
     burst = (grad / (waits.float() + 1)).square()
-    expected = torch.where(released, v_frozen * BETA2 ** k + (1 - BETA2 ** k) * burst, v_frozen)
+    held = (1 - BETA2 ** (FREEZE + k)) / (1 - BETA2 ** FREEZE)  # the held-back coordinates' v_hat unchanged
+    expected = torch.where(released, v_frozen * BETA2 ** k + (1 - BETA2 ** k) * burst, v_frozen * held)
     variance = stage.optimizer.state[params[0][1]]["exp_avg_sq"]
     torch.testing.assert_close(variance, expected, rtol=1e-6, atol=0)
-    assert torch.equal(variance[~released], v_frozen[~released]) and not torch.equal(variance, v_frozen)
+    torch.testing.assert_close(_denom(variance, FREEZE + k)[~released], _denom(v_frozen, FREEZE)[~released],
+                               rtol=1e-5, atol=0)
     moment = seen[refreshed][2][1]
     torch.testing.assert_close(stage.optimizer.state[params[1][1]]["exp_avg_sq"],
                                seen[refreshed][0][1] * BETA2 ** k + (1 - BETA2 ** k) * moment * moment,

@@ -65,11 +65,13 @@ def refresh_if_due(stage, done: Dict[int, int]) -> bool:
         return False
     keys = {id(param): key for key, param in stage.names.items()}
     for group in groups:
-        kept = float(group["betas"][1]) ** since
+        beta2 = float(group["betas"][1])
+        # a coordinate without a sample keeps its bias-corrected variance: v scales with 1 - b2^t
+        kept, held = beta2 ** since, (1 - beta2 ** (step + 1)) / (1 - beta2 ** (step + 1 - since))
         for param in group["params"]:
             state = stage.optimizer.state.get(param, {})
             if id(param) in keys and "exp_avg_sq" in state:
-                _take(state, param.grad, stage.catch_up.waits.get(keys[id(param)]), kept)
+                _take(state, param.grad, stage.catch_up.waits.get(keys[id(param)]), kept, held)
                 state.pop("frozen_denom", None)
     stage.refreshed_at = step + 1
     if stage.level is not None:
@@ -78,15 +80,17 @@ def refresh_if_due(stage, done: Dict[int, int]) -> bool:
     return True
 
 
-def _take(state: dict, grad, waits, kept: float) -> None:
+def _take(state: dict, grad, waits, kept: float, held: float) -> None:
     """``v = kept * v + (1 - kept) * s^2`` in ``state["exp_avg_sq"]`` (float32, the parameter's shape; mutated) for the
     sample ``s`` the exchange affords (``kept = b2^k``, ``k`` the steps since the last refresh):
 
     * a sparsified parameter (``waits``: int16, its shape, not yet advanced by this step): only the coordinates
       released this step (nonzero in ``grad``, the averaged gradient) take a sample, their burst over the steps it
-      gathered, ``s = g / (w + 1)``; the others keep their variance (they bring no fresh gradient to square). The
-      whole average's square, zero where coordinates wait, shrank a sparse GPT's variance until its steps blew up;
-      released only: the teacher -3.7 %, the study's seed-0 AdamW cells at or below the frozen recipe's figures.
+      gathered, ``s = g / (w + 1)``; the others keep their bias-corrected variance, ``v = held * v`` (``held =
+      (1 - b2^t) / (1 - b2^t_last)``): they bring no fresh gradient to square, and the raw ``v`` kept as it was would
+      read smaller under the new step's bias correction (half the denominators at the first refresh of a 200-step
+      run, whose top-k then diverged). The whole average's square, zero where coordinates wait, shrank a sparse
+      GPT's variance until its steps blew up.
     * any other (a quantizer's, or sent dense): the first moment before this step, ``s = exp_avg``. A 2-bit
       average's square overstates a small coordinate's (about ``level * |g|``): from it the classifiers and the GPT
       lost what the refresh gave; from the first moment the teacher ended -14.5 % against dense.
@@ -98,7 +102,7 @@ def _take(state: dict, grad, waits, kept: float) -> None:
         variance.mul_(kept)
     elif waits is not None:
         sample = (grad / (waits.to(grad.dtype) + 1)).square()
-        variance.copy_(torch.where(grad != 0, variance * kept + (1 - kept) * sample, variance))
+        variance.copy_(torch.where(grad != 0, variance * kept + (1 - kept) * sample, variance * held))
     else:
         moment = state.get("exp_avg", grad)
         variance.mul_(kept).addcmul_(moment, moment, value=1.0 - kept)
