@@ -20,8 +20,9 @@ def optimizer_stage(optimizer, compressor, named, dense_steps: int, notes: list,
     Adam/AdamW: :class:`~gradcomp.optim.FrozenVarianceAdam` frozen at ``dense_steps``, or, with
     ``latest_freeze`` past it, later while the learning rate still rises (up to that step;
     ``freeze_cost(delay)`` words what a later freeze costs); under a sparsifier each late gradient caught up
-    (:mod:`gradcomp.optim.catch_up`); the variance refreshed (:mod:`gradcomp.optim.variance_refresh`). SGD with momentum under a sparsifier:
-    :class:`~gradcomp.optim.DelayedMomentumSGD`. Other optimizers: none, with a note in ``notes`` (appended)."""
+    (:mod:`gradcomp.optim.catch_up`); the variance refreshed (:mod:`gradcomp.optim.variance_refresh`). SGD
+    with momentum under a sparsifier: :class:`~gradcomp.optim.DelayedMomentumSGD`. Other optimizers: none, with
+    a note in ``notes`` (appended)."""
     from gradcomp.optim import DelayedMomentumSGD, FrozenVarianceAdam
     from gradcomp.optim.variance_refresh import WEIGHT
 

@@ -3,7 +3,7 @@ exchange delivered at steps spaced by its memory, and the denominators freeze ag
 
 In-process, the stage driven as the engine drives it (the averages set as ``.grad``, a sparsifier's keys recorded
 before the step, then the optimizer's step): the refresh against the formula computed here (the first moment's
-square, or a sparsifier's released coordinates over their waits), its spacing, a parameter without a gradient,
+square, or a sparsifier's average over each coordinate's wait), its schedule, a parameter without a gradient,
 ``refresh=None`` frozen for good, suspension, checkpoints (the refresh step saved, older ones loaded, bad ones
 refused). The recipe's runs on real Gloo ranks are in test_recipe.py and test_grad_contract.py; the quality
 figure in experiments/results/research-teacher-variance/.
@@ -15,9 +15,9 @@ import torch
 
 from gradcomp.optim import FrozenVarianceAdam
 from gradcomp.optim.adam_settings import VARIANCE_FLOOR
-from gradcomp.optim.variance_refresh import WEIGHT, spacing
+from gradcomp.optim.variance_refresh import WEIGHT, renewed
 
-FREEZE, BETA2 = 3, 0.99  # spacing(0.99) = 6 steps
+FREEZE, BETA2 = 3, 0.99  # refreshes at every step from 4 to 22, then 24, 26, ..., 50, 53, ... (_schedule)
 pytestmark = pytest.mark.filterwarnings("ignore:gradcomp. freezing Adam's variance after 3 steps")
 
 
@@ -52,11 +52,30 @@ def _run(steps, refresh=WEIGHT, seed=0, skip=None, stop=None, sparse=False):
     return stage, params, seen
 
 
-def test_the_spacing_renews_the_weight_of_the_variance():
-    assert spacing(0.999) == 52 and spacing(0.99) == 6 and spacing(0.95) == 1
-    for beta2 in (0.9, 0.99, 0.999, 0.9999):
-        k = spacing(beta2)
-        assert 1 - beta2 ** k >= WEIGHT and (k == 1 or 1 - beta2 ** (k - 1) < WEIGHT)
+def _schedule(last_step, freeze=FREEZE, beta2=BETA2, weight=WEIGHT):
+    """The optimizer steps (1-based) of the refreshes up to ``last_step``: each the first at which the steps since
+    the last refresh (or the freeze) hold ``weight`` of Adam's bias-corrected variance."""
+    marks, last = [], freeze
+    for t in range(freeze + 1, last_step + 1):
+        if (1 - beta2 ** (t - last)) / (1 - beta2 ** t) >= weight:
+            marks.append(t)
+            last = t
+    return marks
+
+
+def test_the_share_renewed_is_adams_and_the_refreshes_thin_out_to_its_memory():
+    assert renewed(0.999, 52, 10 ** 6) >= WEIGHT > renewed(0.999, 51, 10 ** 6)  # late: every 52 steps
+    assert renewed(0.999, 1, 18) >= WEIGHT and renewed(0.999, 3, 70) < WEIGHT <= renewed(0.999, 4, 70)
+    assert renewed(0.95, 1, 10 ** 6) >= WEIGHT and renewed(1.0, 1, 5) == 1.0
+    marks = _schedule(400, freeze=17, beta2=0.999)
+    gaps = [b - a for a, b in zip(marks, marks[1:])]
+    assert marks[:3] == [18, 19, 20] and gaps == sorted(gaps) and gaps[-1] < 52
+
+
+def _spaced():
+    """The first two refreshes more than a step apart."""
+    marks = _schedule(60)
+    return next((a, b) for a, b in zip(marks, marks[1:]) if b - a > 1)
 
 
 def _denom(variance, t):
@@ -64,61 +83,57 @@ def _denom(variance, t):
     return sqrt_v.clamp(min=float(sqrt_v.mean()) * VARIANCE_FLOOR) + 1e-8
 
 
-def test_a_refresh_takes_the_first_moment_as_adam_would_have_over_the_steps_since_the_freeze():
-    """At the 6th frozen step: ``v = b2^6 v_F + (1 - b2^6) m^2`` for the first moment before the step, the
-    denominators ``sqrt(v / (1 - b2^t))`` (floored, plus eps) at that step; none before it."""
-    k = spacing(BETA2)
-    stage, params, seen = _run(FREEZE + k)
-    refreshed = FREEZE + k - 1  # the step index whose gradient is Adam's (FREEZE + k)-th
-    assert stage.refreshed_at == FREEZE + k
+def test_a_refresh_takes_the_first_moment_as_adam_would_have_over_the_steps_since_the_last():
+    """At a refresh ``k > 1`` steps after the last: ``v = b2^k v + (1 - b2^k) m^2`` for the first moment
+    before the step, the denominators ``sqrt(v / (1 - b2^t))`` (floored, plus eps) at that step."""
+    first, second = _spaced()
+    stage, params, seen = _run(second)
+    assert stage.refreshed_at == second and second - first > 1
+    k, index_of = second - first, second - 1  # the step index whose gradient is Adam's second-th
     for index, (_, p) in enumerate(params):
         state = stage.optimizer.state[p]
-        v_frozen, moment = seen[refreshed][0][index], seen[refreshed][2][index]
-        assert torch.equal(seen[FREEZE][0][index], v_frozen)  # untouched between the freeze and the refresh
-        expected = v_frozen * BETA2 ** k + (1 - BETA2 ** k) * moment * moment
+        v_before, moment = seen[index_of][0][index], seen[index_of][2][index]
+        assert torch.equal(seen[first][0][index], v_before)  # untouched between the refreshes
+        expected = v_before * BETA2 ** k + (1 - BETA2 ** k) * moment * moment
         torch.testing.assert_close(state["exp_avg_sq"], expected, rtol=1e-6, atol=0)
-        torch.testing.assert_close(state["frozen_denom"], _denom(expected, FREEZE + k), rtol=1e-6, atol=0)
+        torch.testing.assert_close(state["frozen_denom"], _denom(expected, second), rtol=1e-6, atol=0)
 
 
-def test_under_a_sparsifier_only_the_released_coordinates_take_their_burst_over_its_wait():
-    """"a" is a sparsifier's: where its average is nonzero, ``v = b2^6 v_F + (1 - b2^6) (g / (w + 1))^2`` with the
-    waits before the step; where it is zero the bias-corrected variance (hence the denominator) is unchanged; "b"
-    (no waits) takes its first moment."""
-    k = spacing(BETA2)
-    stage, params, seen = _run(FREEZE + k, sparse=True)
-    refreshed = FREEZE + k - 1
-    assert stage.refreshed_at == FREEZE + k
-    v_frozen, grad, waits = seen[refreshed][0][0], seen[refreshed][1][0], seen[refreshed][3]
+def test_under_a_sparsifier_the_average_over_each_wait_and_zero_where_held_back():
+    """"a" is a sparsifier's: ``v = b2^k v + (1 - b2^k) (g / (w + 1))^2`` with the waits before the step, so where
+    a coordinate was held back (``g = 0``) its variance decays as Adam's under a zero gradient; "b" (no waits)
+    takes its first moment."""
+    first, second = _spaced()
+    stage, params, seen = _run(second, sparse=True)
+    assert stage.refreshed_at == second
+    k, index_of = second - first, second - 1
+    v_before, grad, waits = seen[index_of][0][0], seen[index_of][1][0], seen[index_of][3]
     assert waits is not None and int(waits.max()) > 0  # the caught-up steps advanced them
-    released = grad != 0
-    burst = (grad / (waits.float() + 1)).square()
-    held = (1 - BETA2 ** (FREEZE + k)) / (1 - BETA2 ** FREEZE)  # the held-back coordinates' v_hat unchanged
-    expected = torch.where(released, v_frozen * BETA2 ** k + (1 - BETA2 ** k) * burst, v_frozen * held)
+    held = grad == 0
+    expected = v_before * BETA2 ** k + (1 - BETA2 ** k) * (grad / (waits.float() + 1)).square()
     variance = stage.optimizer.state[params[0][1]]["exp_avg_sq"]
     torch.testing.assert_close(variance, expected, rtol=1e-6, atol=0)
-    torch.testing.assert_close(_denom(variance, FREEZE + k)[~released], _denom(v_frozen, FREEZE)[~released],
-                               rtol=1e-5, atol=0)
-    moment = seen[refreshed][2][1]
+    assert held.any() and torch.equal(variance[held], v_before[held] * BETA2 ** k)
+    moment = seen[index_of][2][1]
     torch.testing.assert_close(stage.optimizer.state[params[1][1]]["exp_avg_sq"],
-                               seen[refreshed][0][1] * BETA2 ** k + (1 - BETA2 ** k) * moment * moment,
+                               seen[index_of][0][1] * BETA2 ** k + (1 - BETA2 ** k) * moment * moment,
                                rtol=1e-6, atol=0)
 
 
-def test_refreshes_come_every_spacing_steps_and_a_parameter_without_a_gradient_decays():
-    k = spacing(BETA2)
-    marks = []
-    stage, params, seen = _run(FREEZE + 3 * k, skip=FREEZE + 2 * k - 1,
-                               stop=lambda stage, step: marks.append(stage.refreshed_at) and False)
-    assert [m for m in dict.fromkeys(marks) if m is not None] == [FREEZE + k, FREEZE + 2 * k, FREEZE + 3 * k]
-    # "b" had no gradient at the second refresh: its variance only decayed there
-    assert torch.equal(seen[FREEZE + 2 * k][0][1], seen[FREEZE + 2 * k - 1][0][1] * BETA2 ** k)
-    assert not torch.equal(seen[FREEZE + 2 * k][0][0], seen[FREEZE + 2 * k - 1][0][0] * BETA2 ** k)
+def test_refreshes_come_when_due_and_a_parameter_without_a_gradient_decays():
+    marks, expected = [], _schedule(60)
+    skip = expected[3] - 1  # "b" has no gradient at the fourth refresh
+    stage, params, seen = _run(60, skip=skip, stop=lambda stage, step: marks.append(stage.refreshed_at) and False)
+    assert [m for m in dict.fromkeys(marks) if m is not None] == expected
+    k = expected[3] - expected[2]
+    assert torch.equal(seen[skip + 1][0][1], seen[skip][0][1] * BETA2 ** k)
+    assert not torch.equal(seen[skip + 1][0][0], seen[skip][0][0] * BETA2 ** k)
 
 
 def test_refresh_none_keeps_the_variance_frozen_for_good():
     p = torch.nn.Parameter(torch.zeros(3))
     assert FrozenVarianceAdam(torch.optim.Adam([p]), [("p", p)], freeze_step=20).refresh is None  # the default
-    stage, params, seen = _run(FREEZE + 4 * spacing(BETA2), refresh=None)
+    stage, params, seen = _run(30, refresh=None)
     assert stage.refreshed_at is None
     for index, (_, p) in enumerate(params):
         assert torch.equal(stage.optimizer.state[p]["exp_avg_sq"], seen[FREEZE][0][index])
@@ -132,42 +147,44 @@ def test_a_bad_refresh_share_is_refused(bad):
 
 
 def test_suspension_forgets_the_refresh_and_resuming_freezes_again_there():
-    stage, params, _ = _run(FREEZE + spacing(BETA2))
-    assert stage.refreshed_at is not None
+    first = _schedule(40)[0]
+    stage, params, _ = _run(first)
+    assert stage.refreshed_at == first
     stage.suspend()
     assert stage.refreshed_at is None and all("frozen_denom" not in stage.optimizer.state[p] for _, p in params)
     stage.resume()
-    assert stage.frozen_at == FREEZE + spacing(BETA2) and stage.variance_at() == stage.frozen_at
+    assert stage.frozen_at == first and stage.variance_at() == stage.frozen_at
 
 
 def test_a_checkpoint_carries_the_refresh_and_the_run_continues_bitwise():
-    k = spacing(BETA2)
-    whole, params, _ = _run(FREEZE + 2 * k + 2)
-    half, half_params, _ = _run(FREEZE + k + 1)
+    marks = _schedule(60)
+    middle, end = marks[19], marks[21] + 1  # saved just after a refresh; run on past two more
+    whole, params, _ = _run(end)
+    half, half_params, _ = _run(middle)
     saved = {"stage": half.state_dict(), "optimizer": half.optimizer.state_dict()}
-    assert saved["stage"]["refreshed_at"] == FREEZE + k and saved["stage"]["refresh"] == WEIGHT
+    assert saved["stage"]["refreshed_at"] == middle and saved["stage"]["refresh"] == WEIGHT
     fresh, fresh_params, _ = _run(0)
     for (_, p), (_, q) in zip(fresh_params, half_params):
         p.data.copy_(q.data)
     fresh.optimizer.load_state_dict(saved["optimizer"])
     fresh.load_state_dict(saved["stage"])
-    assert fresh.refreshed_at == FREEZE + k
+    assert fresh.refreshed_at == middle
     gen = torch.Generator().manual_seed(0)  # replay the gradients of the whole run from the half's next step
     torch.randn(5, 4, generator=gen), torch.randn(7, generator=gen)  # the parameters' draws
-    for step in range(FREEZE + 2 * k + 2):
+    for step in range(end):
         grads = [torch.randn(p.shape, generator=gen) * 0.9 ** step for _, p in fresh_params]
-        if step < FREEZE + k + 1:
+        if step < middle:
             continue
         for (_, p), g in zip(fresh_params, grads):
             p.grad = g
         fresh.optimizer.step()
-    assert fresh.refreshed_at == whole.refreshed_at == FREEZE + 2 * k
+    assert fresh.refreshed_at == whole.refreshed_at == marks[21]
     for (_, p), (_, q) in zip(fresh_params, params):
         assert torch.equal(p, q)
 
 
 def test_older_checkpoints_load_and_bad_refresh_steps_are_refused_before_any_change():
-    stage, _, _ = _run(FREEZE + spacing(BETA2))
+    stage, _, _ = _run(_schedule(40)[0])
     old = stage.state_dict()
     del old["refreshed_at"], old["refresh"]
     target, _, _ = _run(FREEZE + 1)

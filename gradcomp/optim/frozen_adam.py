@@ -44,10 +44,10 @@ The recipe gives a user's own ``torch.optim.Adam``/``AdamW`` 1-bit Adam's arrang
    square in update units passes 1 (:func:`bounded_step`): it kept the shapes CNN from diverging under a
    variance frozen on its early plateau but held the language models back (``research-adam-bound/``).
 5. **Refreshes** (``refresh``, the share of the variance each renews, ``variance_refresh.WEIGHT`` in the recipe;
-   ``None``, the default: frozen for good): at steps spaced by the variance's memory the variance takes a sample
-   of what the exchange delivered (a sparsifier's released coordinates, a quantizer's first moment) and the
-   denominators freeze again from it (:mod:`gradcomp.optim.variance_refresh`; frozen for good, a long run keeps the
-   dense start's level and shape).
+   ``None``, the default: frozen for good): each time the steps since the last hold that share of Adam's
+   bias-corrected variance, the variance takes a sample of what the exchange delivered (a sparsifier's average
+   over each coordinate's wait, a quantizer's first moment) and the denominators freeze again from it
+   (:mod:`gradcomp.optim.variance_refresh`; frozen for good, a long run keeps the dense start's level and shape).
 6. **Stepping aside**: while a policy sends every group dense for a while (``Auto``, when a trial
    measured compressed steps no faster), :meth:`~FrozenVarianceAdam.suspend` hands the parameters
    back to the user's Adam, its variance live again and continuous with the frozen one;
