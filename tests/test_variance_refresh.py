@@ -97,6 +97,8 @@ def test_a_refresh_takes_the_first_moment_as_adam_would_have_over_the_steps_sinc
         expected = v_before * BETA2 ** k + (1 - BETA2 ** k) * moment * moment
         torch.testing.assert_close(state["exp_avg_sq"], expected, rtol=1e-6, atol=0)
         torch.testing.assert_close(state["frozen_denom"], _denom(expected, second), rtol=1e-6, atol=0)
+        refreshed = state.pop("frozen_denom")  # the refresh's batched denominators: the stage's own, bit for bit
+        assert torch.equal(refreshed, stage._denom(p, stage.optimizer.param_groups[0]))
 
 
 def test_under_a_sparsifier_the_average_over_each_wait_and_zero_where_held_back():

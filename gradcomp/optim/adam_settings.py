@@ -5,12 +5,14 @@ built, and reports :func:`optimizer_settings` in its ``settings()`` (the cross-r
 """
 from __future__ import annotations
 
+import math
 import warnings
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 
-__all__ = ["MIN_STEADY_FREEZE", "VARIANCE_FLOOR", "EXCHANGES", "optimizer_settings", "decoupled_weight_decay",
+__all__ = ["MIN_STEADY_FREEZE", "VARIANCE_FLOOR", "EXCHANGES", "frozen_denominators", "optimizer_settings",
+           "decoupled_weight_decay",
            "check_optimizer"]
 
 #: Fewer steps than this before the freeze get a warning: the variance is then a handful of samples.
@@ -69,3 +71,16 @@ def check_optimizer(optimizer, freeze_step, exchange, variance_floor) -> None:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     if not 0.0 <= variance_floor <= 1.0:
         raise ValueError(f"variance_floor must be in [0, 1], got {variance_floor}")
+
+
+def frozen_denominators(variances: List[torch.Tensor], beta2: float, step: int, floor: float,
+                        eps: float) -> List[torch.Tensor]:
+    """Adam's denominators frozen at optimizer step ``step`` from ``variances`` (each ``exp_avg_sq``, read only):
+    ``max(sqrt(v / (1 - b2^step)), floor * mean) + eps`` per tensor (new tensors, their shapes and dtypes), the
+    floor a share of the tensor's own mean ``sqrt(v_hat)``. A list at once: a refresh renews every parameter's
+    (torch's multi-tensor ops; each element's arithmetic as one tensor's ops, bit for bit)."""
+    roots = torch._foreach_sqrt(variances)
+    torch._foreach_div_(roots, math.sqrt(1 - beta2 ** step))
+    torch._foreach_clamp_min_(roots, [float(root.mean()) * floor for root in roots])
+    torch._foreach_add_(roots, eps)
+    return roots

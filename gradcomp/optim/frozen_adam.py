@@ -59,7 +59,6 @@ the stage reads the optimizer at every call and keeps no copy of its settings. `
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -68,6 +67,7 @@ from gradcomp.optim.adam_settings import (
     VARIANCE_FLOOR,
     check_optimizer,
     decoupled_weight_decay,
+    frozen_denominators,
     optimizer_settings,
 )
 from gradcomp.optim.catch_up import Waits, share_table
@@ -194,9 +194,8 @@ class FrozenVarianceAdam:
         if denom is None:
             # The variance stopped at the freeze (or the last refresh): its bias correction is that step's,
             # whenever the denominator is computed (also from a checkpoint that lacks it).
-            sqrt_v = state["exp_avg_sq"].sqrt() / math.sqrt(1 - group["betas"][1] ** self.variance_at())
-            floor = float(sqrt_v.mean()) * self.variance_floor
-            denom = state["frozen_denom"] = sqrt_v.clamp(min=floor).add_(group["eps"])
+            denom = state["frozen_denom"] = frozen_denominators(
+                [state["exp_avg_sq"]], group["betas"][1], self.variance_at(), self.variance_floor, group["eps"])[0]
         return denom
 
     def _frozen_at(self) -> int:

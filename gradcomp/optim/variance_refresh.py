@@ -36,6 +36,8 @@ from typing import Dict
 
 import torch
 
+from gradcomp.optim.adam_settings import frozen_denominators
+
 __all__ = ["WEIGHT", "renewed", "refresh_if_due"]
 
 #: The share of Adam's bias-corrected variance one refresh renews (teacher MLP, AdamW, 1,000 steps, seeds 0-2: 2-bit
@@ -74,12 +76,16 @@ def refresh_if_due(stage, done: Dict[int, int]) -> bool:
         return False
     keys = {id(param): key for key, param in stage.names.items()}
     for group in groups:
-        kept = float(group["betas"][1]) ** since
-        for param in group["params"]:
-            state = stage.optimizer.state.get(param, {})
-            if id(param) in keys and "exp_avg_sq" in state:
-                _take(state, param.grad, stage.catch_up.waits.get(keys[id(param)]), kept)
-                state.pop("frozen_denom", None)
+        beta2 = float(group["betas"][1])
+        taken = [(stage.optimizer.state[param], param) for param in group["params"]
+                 if id(param) in keys and "exp_avg_sq" in stage.optimizer.state.get(param, {})]
+        if not taken:
+            continue
+        _take(taken, [stage.catch_up.waits.get(keys[id(param)]) for _, param in taken], beta2 ** since)
+        denoms = frozen_denominators([state["exp_avg_sq"] for state, _ in taken], beta2, step + 1,
+                                     stage.variance_floor, group["eps"])
+        for (state, _), denom in zip(taken, denoms):
+            state["frozen_denom"] = denom
     stage.refreshed_at = step + 1
     if stage.level is not None:
         stage.level.reset()
@@ -87,17 +93,24 @@ def refresh_if_due(stage, done: Dict[int, int]) -> bool:
     return True
 
 
-def _take(state: dict, grad, waits, kept: float) -> None:
-    """``v = kept * v + (1 - kept) * s^2`` in ``state["exp_avg_sq"]`` (float32, the parameter's shape; mutated), for
-    ``kept = b2^k`` (``k`` the steps since the last refresh) and the sample ``s``:
+def _take(taken, waits, kept: float) -> None:
+    """``v = kept * v + (1 - kept) * s^2`` in each ``state["exp_avg_sq"]`` of ``taken`` (``(state, parameter)``
+    pairs of one param group; float32, the parameter's shape; mutated), for ``kept = b2^k`` (``k`` the steps since
+    the last refresh) and the sample ``s`` (torch's multi-tensor ops: one call for the group):
 
-    * a sparsified parameter (``waits``: int16, its shape, not yet advanced by this step): the averaged gradient
-      ``g`` (``.grad``) over the steps each coordinate gathered, ``s = g / (w + 1)``; zero where it was held back.
+    * a sparsified parameter (its ``waits``: int16, its shape, not yet advanced by this step): the averaged
+      gradient ``g`` (``.grad``) over the steps each coordinate gathered, ``s = g / (w + 1)``; zero where it was
+      held back.
     * any other (a quantizer's, or sent dense): the first moment before this step, ``s = exp_avg``.
     * no gradient this step: ``s = 0``, Adam's decay under a zero gradient.
     """
-    variance = state["exp_avg_sq"].mul_(kept)
-    if grad is None:
-        return
-    sample = grad / (waits.to(grad.dtype) + 1) if waits is not None else state.get("exp_avg", grad)
-    variance.addcmul_(sample, sample, value=1.0 - kept)
+    variances = [state["exp_avg_sq"] for state, _ in taken]
+    torch._foreach_mul_(variances, kept)
+    sampled, samples = [], []
+    for (state, param), wait in zip(taken, waits):
+        if param.grad is not None:
+            sampled.append(state["exp_avg_sq"])
+            samples.append(param.grad / (wait.to(param.grad.dtype) + 1) if wait is not None
+                           else state.get("exp_avg", param.grad))
+    if sampled:
+        torch._foreach_addcmul_(sampled, samples, samples, value=1.0 - kept)
