@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradcomp
 from gradcomp.hooks import ddp as gc_ddp
 from gradcomp.optim import DelayedMomentumSGD, FrozenVarianceAdam
+from gradcomp.optim.variance_refresh import WEIGHT
 from gradcomp.schedule import DenseWarmup, PlannedSchedule, SparsityRamp
 from optim_workers import batch, make_model  # noqa: F401  the model and data of the optimizer-stage tests
 
@@ -57,9 +58,9 @@ class Run:
         self.optimizer = make_optimizer(kind, self.model)
         transform = None
         if kind == "adamw":
-            # a sparsifier's late gradients caught up, without the spike guard
+            # a sparsifier's late gradients caught up, without the spike guard; the variance refreshed
             transform = FrozenVarianceAdam(self.optimizer, named, freeze_step=dense_steps,
-                                           spike_guard=not compressor.sparsifies)
+                                           spike_guard=not compressor.sparsifies, refresh=WEIGHT)
         elif compressor.sparsifies:  # top-k under SGD-momentum: each coordinate's late gradient caught up
             transform = DelayedMomentumSGD(self.optimizer, named)
         self.scheduler = self._scheduler()
