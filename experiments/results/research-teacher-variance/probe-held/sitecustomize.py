@@ -23,6 +23,13 @@ MODE = set(os.environ.get("GC_DIAG", "").split(","))
 W = float(os.environ.get("GC_DIAG_W", vr.WEIGHT))
 
 
+def _due(stage, groups, since, step):
+    if "adaptive" in MODE:  # refresh when Adam's bias-corrected share of k steps reaches W
+        b2 = float(groups[0]["betas"][1])
+        return (1 - b2 ** since) / (1 - b2 ** (step + 1)) >= W
+    return since >= min(vr.spacing(float(g["betas"][1]), stage.refresh) for g in groups)
+
+
 @torch.no_grad()
 def refresh_if_due(stage, done):
     if stage.refresh is None or stage.suspended or not done:
@@ -33,12 +40,7 @@ def refresh_if_due(stage, done):
     t_old = stage.variance_at()
     since = step + 1 - t_old
     groups = stage.optimizer.param_groups
-    if "adaptive" in MODE:  # refresh when Adam's bias-corrected share of k steps reaches W
-        b2 = float(groups[0]["betas"][1])
-        share = (1 - b2 ** since) / (1 - b2 ** (step + 1))
-        if share < W:
-            return False
-    elif since < min(vr.spacing(float(g["betas"][1]), stage.refresh) for g in groups):
+    if not _due(stage, groups, since, step):
         return False
     keys = {id(p): k for k, p in stage.names.items()}
     ratios = []
