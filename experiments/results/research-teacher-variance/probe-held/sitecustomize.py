@@ -87,11 +87,14 @@ def refresh_if_due(stage, done):
         stage.level.reset()
     stage.divisors.clear()
     if "log" in MODE and ratios:
-        r = torch.cat(ratios)
-        q = torch.quantile(r[:100000].float(), torch.tensor([0.01, 0.1, 0.5, 0.9])).tolist()
-        print(f"DIAG refresh at {step + 1} since {since}: sqrt(v_hat) new/old q01,q10,q50,q90 "
-              + " ".join(f"{x:.3f}" for x in q), file=sys.stderr, flush=True)
+        _log(ratios, step, since)
     return True
+
+
+def _log(ratios, step, since):
+    q = torch.quantile(torch.cat(ratios)[:100000].float(), torch.tensor([0.01, 0.1, 0.5, 0.9])).tolist()
+    print(f"DIAG refresh at {step + 1} since {since}: sqrt(v_hat) new/old q01,q10,q50,q90 "
+          + " ".join(f"{x:.3f}" for x in q), file=sys.stderr, flush=True)
 
 
 if os.environ.get("GC_DIAG") is not None:
