@@ -61,9 +61,9 @@ def refresh_if_due(stage, done: Dict[int, int]) -> bool:
 
     ``done``: each parameter with a gradient, by ``id``, and its optimizer steps done (the stage's step reads them
     once). Called before the step advances the first moments and the waits. Mutates each frozen parameter's
-    ``exp_avg_sq`` (:func:`_take`) and drops its ``"frozen_denom"`` (the stage computes the new one at its next use,
-    from :attr:`~FrozenVarianceAdam.refreshed_at`), sets ``stage.refreshed_at``, and restarts the live level and the
-    group divisors from the new denominators. Every rank does the same: the steps, the averaged gradients, the
+    ``exp_avg_sq`` (:func:`_take`) and replaces its ``"frozen_denom"`` with the denominators frozen at this step
+    (``frozen_denominators``, the stage's own formula, batched per param group), sets ``stage.refreshed_at``, and
+    restarts the live level and the group divisors from the new denominators. Every rank does the same: the steps, the averaged gradients, the
     first moments and the waits are the same on each."""
     if stage.refresh is None or stage.suspended or not done:
         return False
