@@ -63,8 +63,8 @@ def refresh_if_due(stage, done: Dict[int, int]) -> bool:
     once). Called before the step advances the first moments and the waits. Mutates each frozen parameter's
     ``exp_avg_sq`` (:func:`_take`) and replaces its ``"frozen_denom"`` with the denominators frozen at this step
     (``frozen_denominators``, the stage's own formula, batched per param group), sets ``stage.refreshed_at``, and
-    restarts the live level and the group divisors from the new denominators. Every rank does the same: the steps, the averaged gradients, the
-    first moments and the waits are the same on each."""
+    restarts the live level and the group divisors from the new denominators. Every rank does the same: the steps,
+    the averaged gradients, the first moments and the waits are the same on each."""
     if stage.refresh is None or stage.suspended or not done:
         return False
     step = max(done.values())  # this step's gradient is Adam's (step + 1)-th
