@@ -4,13 +4,13 @@ What a step-time figure can resolve is bounded by how much the machine's speed i
 between rounds. This times one fixed step (a forward and backward pass of an MLP of ``--width``
 on a batch of 64, one thread, no communication) in ``--rounds`` rounds of ``--round-seconds`` each,
 in ``--procs`` processes at once (2: as the step-time benchmark's two ranks share this machine's two
-cores), and prints each process's per-round medians and their ``spread`` (the range of the round
-medians over their median, as ``experiments.step_times`` computes it). Run it alone::
+cores; ``--pin``: each on a core of its own), and prints each process's per-round medians and their ``spread``
+(the range of the round medians over their median, as ``experiments.step_times`` computes it). Run it alone::
 
     ../shared/tools/quiet python -m experiments.noise_floor --procs 2 --round-seconds 2
 
 Output (``--out``, optional): a JSON list, one row per process ``{proc, round_seconds, rounds:
-[median step seconds per round], spread, steps_per_round, load_before}``.
+[median step seconds per round], spread, steps_per_round, cores (the process's CPU affinity), load_before}``.
 """
 from __future__ import annotations
 
@@ -27,9 +27,12 @@ __all__ = ["main", "spread"]
 
 
 def _time_rounds(proc: int, args, start_at: float, queue) -> None:
-    """Times the fixed step in rounds; puts ``(proc, [round medians], [steps per round])`` on ``queue``."""
+    """Times the fixed step in rounds; puts ``(proc, [round medians], [steps per round], [its cores])`` on ``queue``."""
     import torch
 
+    if args.pin:  # each process on its own core: whether the two trading cores is what moves the rounds
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {allowed[proc % len(allowed)]})
     torch.set_num_threads(1)
     torch.manual_seed(proc)
     net = torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.ReLU(),
@@ -49,7 +52,7 @@ def _time_rounds(proc: int, args, start_at: float, queue) -> None:
             times.append(time.perf_counter() - t0)
         medians.append(statistics.median(times))
         counts.append(len(times))
-    queue.put((proc, medians, counts))
+    queue.put((proc, medians, counts, sorted(os.sched_getaffinity(0))))
 
 
 def parse_args(argv=None):
@@ -58,6 +61,7 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--round-seconds", type=float, default=2.0)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--pin", action="store_true", help="pin process i to the i-th core it may use")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
         proc.join(timeout=30)
     load = os.environ.get("QUIET_LOAD_BEFORE")
     rows = [{"proc": p, "round_seconds": args.round_seconds, "rounds": medians, "spread": spread(medians),
-             "steps_per_round": counts, "load_before": load} for p, medians, counts in results]
+             "steps_per_round": counts, "cores": cores, "load_before": load} for p, medians, counts, cores in results]
     for row in rows:
         print(f"proc {row['proc']}: {args.rounds} rounds of {args.round_seconds:g} s "
               f"({min(row['steps_per_round'])}-{max(row['steps_per_round'])} steps), median step "
